@@ -1,0 +1,1 @@
+"""pagefleet: LLM serving engine, router and operator."""
