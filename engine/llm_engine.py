@@ -1,0 +1,189 @@
+"""Request front of one engine: validation, n > 1 fan-out, text, stop strings.
+
+EngineCore deals in token ids; this layer owns the tokenizer and turns token
+updates into RequestOutputs. The offline `LLM` and the server's async front both
+drive an LLMEngine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.detokenizer import IncrementalDetokenizer
+from pagefleet.engine.engine_core import EngineCore, EngineStats
+from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_model_dir(model: str) -> Path:
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model!r} is not a directory with a config.json and safetensors weights")
+    return path
+
+
+def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> tuple[int, ...]:
+    """generation_config.json decides (as in HF generate); config and tokenizer are fallbacks."""
+    gen = model_dir / "generation_config.json"
+    source = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if source is None:
+        source = hf_config.get("eos_token_id")
+    if source is None and tokenizer is not None:
+        source = tokenizer.eos_token_id
+    return tuple(source) if isinstance(source, list) else (() if source is None else (source,))
+
+
+@dataclass
+class _Sequence:
+    """Text state of one of a request's n sequences."""
+    request: Request
+    detok: IncrementalDetokenizer | None
+    logprobs: list | None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = resolve_model_dir(config.model)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        self.tokenizer = None
+        if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.core = EngineCore(config, model_dir, hf_config)
+        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.seed = config.seed
+        self._states: dict[str, _RequestState] = {}
+        self._seq_to_parent: dict[str, str] = {}
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError naming the bad field; return the prompt's token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise ValueError("prompt: token ids must be integers")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.core.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        limit = self.core.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens leaves no room to generate within "
+                             f"max_model_len={limit}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    stream_text: bool = False) -> None:
+        """Queue a request (n sequences). With `stream_text` every step detokenizes
+        incrementally; otherwise only sequences with stop strings do, and the rest
+        are decoded once at the end (no per-token text work offline)."""
+        if request_id in self._states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.validate(prompt, params)
+        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids)
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.core.device).manual_seed(params.seed + i)
+            req = Request(seq_id, ids, params, self.eos_token_ids, gen)
+            detok = None
+            if self.tokenizer is not None and (stream_text or params.stop):
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+            state.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
+            self._seq_to_parent[seq_id] = request_id
+        self._states[request_id] = state
+        for seq in state.seqs:
+            self.core.add_request(seq.request)
+
+    def abort(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self._seq_to_parent.pop(seq.request.request_id, None)
+            if not seq.request.status.finished:
+                self.core.finish(seq.request, RequestStatus.FINISHED_ABORTED, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._states)
+
+    # ---- stepping ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that finished."""
+        touched: dict[str, _RequestState] = {}
+        for u in self.core.step():
+            parent = self._seq_to_parent[u.request.request_id]
+            state = self._states[parent]
+            seq = next(s for s in state.seqs if s.request is u.request)
+            if seq.logprobs is not None and u.new_logprobs:
+                seq.logprobs.extend(u.new_logprobs)
+            if seq.detok is not None:
+                stop = seq.detok.update(u.new_token_ids)
+                if stop is not None and not u.request.status.finished:
+                    self.core.finish(u.request, RequestStatus.FINISHED_STOPPED, stop)
+                elif stop is not None:
+                    u.request.stop_reason = stop
+            touched[parent] = state
+        outputs = []
+        for rid, state in touched.items():
+            if all(s.request.status.finished for s in state.seqs):
+                outputs.append(self._make_output(state))
+                del self._states[rid]
+                for s in state.seqs:
+                    del self._seq_to_parent[s.request.request_id]
+        return outputs
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(state.seqs):
+            req = seq.request
+            if seq.detok is not None:
+                text = seq.detok.output_text
+            elif self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_token_ids,
+                                             skip_special_tokens=req.sampling_params.skip_special_tokens)
+            else:
+                text = ""
+            finish = req.status.value if req.status.finished else None
+            completions.append(CompletionOutput(i, text, list(req.output_token_ids), finish,
+                                                req.stop_reason, seq.logprobs))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished=True)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
