@@ -62,6 +62,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context length, capped by the KV budget
     num_threads: int | None = None  # default: torch's own choice (physical cores)
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None  # prefix-cache namespace; default: the model path
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ Knows token ids only; text (detokenization, stop strings) is the LLMEngine's job
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class EngineStats:
     peak_num_running: int
     num_preemptions: int
     num_steps: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose KV was reused
+    num_computed_tokens: int  # tokens that went through the model (prefill + decode)
 
 
 class EngineCore:
@@ -73,7 +77,8 @@ class EngineCore:
             raise ValueError(f"max_model_len ({config.max_model_len}) needs more KV cache than "
                              f"kv_cache_memory allows ({capacity} tokens); raise kv_cache_memory")
 
-        self.kv = KVCacheManager(self.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_computed_tokens = 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_blocks, config.block_size, self.dtype,
@@ -102,12 +107,16 @@ class EngineCore:
             return []
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched)
+        self.num_computed_tokens += sched.num_batched_tokens
         if result.sampler_output is None:
             return []
         updates = []
         out = result.sampler_output
+        now = time.monotonic()
         for chunk, token, lp in zip(result.sampled_chunks, out.token_ids, out.logprobs, strict=True):
             req = chunk.request
+            if req.first_token_time is None:
+                req.first_token_time = now
             req.append_output_token(token)
             status, reason = self._check_stop(req, token)
             if status is not None:
@@ -130,4 +139,8 @@ class EngineCore:
         s = self.scheduler
         return EngineStats(self.num_blocks, self.config.block_size, self.max_model_len,
                            self.kv.num_free_blocks, len(s.running), len(s.waiting),
-                           s.stats.peak_num_running, s.stats.num_preemptions, s.stats.num_steps)
+                           s.stats.peak_num_running, s.stats.num_preemptions, s.stats.num_steps,
+                           self.kv.prefix_stats.queries, self.kv.prefix_stats.hits, self.num_computed_tokens)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()

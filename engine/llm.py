@@ -16,19 +16,22 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# A prompt is text, token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}
+# optionally with "cache_salt" (the request's private prefix-cache namespace).
+Prompt = str | list[int] | dict
 
 
 class LLM:
     def __init__(self, model: str, dtype: str | torch.dtype = "auto", block_size: int = 16,
                  kv_cache_memory: int | str = "2GiB", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 seed: int = 0, device: str = "auto", num_threads: int | None = None) -> None:
+                 seed: int = 0, device: str = "auto", num_threads: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         torch.manual_seed(seed)  # unseeded sampling is reproducible per LLM instance
         config = EngineConfig(model=str(model), dtype=dtype, device=device, block_size=block_size,
                               kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              num_threads=num_threads, seed=seed)
+                              num_threads=num_threads, seed=seed, enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(config)
         self._next_id = 0
 
@@ -36,7 +39,21 @@ class LLM:
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
+        """Engine counters: blocks, preemptions, steps, prefix-cache queries/hits (tokens)."""
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    @staticmethod
+    def _split_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+        if not isinstance(prompt, dict):
+            return prompt, None
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("prompt: a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids' "
+                             f"(and optionally 'cache_salt'); got keys {sorted(prompt)}")
+        return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -46,7 +63,7 @@ class LLM:
         All prompts are validated before any is queued: a bad one raises
         ValueError (naming the field and the prompt's index) and leaves the
         engine untouched."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -57,17 +74,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        split = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                self.engine.validate(prompt, p)
+                split.append(self._split_prompt(prompt))
+                self.engine.validate(split[-1][0], p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
 
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for (prompt, salt), p in zip(split, params, strict=True):
             rid = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, cache_salt=salt)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

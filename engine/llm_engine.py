@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.engine.engine_core import EngineCore, EngineStats
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -72,6 +73,7 @@ class LLMEngine:
         self.core = EngineCore(config, model_dir, hf_config)
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.seed = config.seed
+        self.model_name = config.served_model_name or str(config.model)
         self._states: dict[str, _RequestState] = {}
         self._seq_to_parent: dict[str, str] = {}
 
@@ -106,20 +108,26 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    stream_text: bool = False) -> None:
+                    stream_text: bool = False, cache_salt: str | None = None) -> None:
         """Queue a request (n sequences). With `stream_text` every step detokenizes
         incrementally; otherwise only sequences with stop strings do, and the rest
-        are decoded once at the end (no per-token text work offline)."""
+        are decoded once at the end (no per-token text work offline).
+
+        `cache_salt` puts the request in its own prefix-cache namespace: only
+        requests with the same salt share KV blocks with it (tenant isolation)."""
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         ids = self.validate(prompt, params)
+        extra_keys = (self.model_name, None, cache_salt)
         state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.core.device).manual_seed(params.seed + i)
-            req = Request(seq_id, ids, params, self.eos_token_ids, gen)
+            req = Request(seq_id, ids, params, self.eos_token_ids, gen, extra_keys)
             detok = None
             if self.tokenizer is not None and (stream_text or params.stop):
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params)
@@ -154,10 +162,14 @@ class LLMEngine:
                 seq.logprobs.extend(u.new_logprobs)
             if seq.detok is not None:
                 stop = seq.detok.update(u.new_token_ids)
-                if stop is not None and not u.request.status.finished:
-                    self.core.finish(u.request, RequestStatus.FINISHED_STOPPED, stop)
-                elif stop is not None:
-                    u.request.stop_reason = stop
+                if stop is None and u.request.status.finished:
+                    stop = seq.detok.flush()  # held-back bytes may complete a stop string
+                if stop is not None:
+                    if u.request.status.finished:
+                        u.request.status = RequestStatus.FINISHED_STOPPED
+                        u.request.stop_reason = stop
+                    else:
+                        self.core.finish(u.request, RequestStatus.FINISHED_STOPPED, stop)
             touched[parent] = state
         outputs = []
         for rid, state in touched.items():
@@ -182,8 +194,15 @@ class LLMEngine:
             finish = req.status.value if req.status.finished else None
             completions.append(CompletionOutput(i, text, list(req.output_token_ids), finish,
                                                 req.stop_reason, seq.logprobs))
+        first = state.seqs[0].request
+        firsts = [s.request.first_token_time for s in state.seqs if s.request.first_token_time is not None]
+        metrics = RequestMetrics(first.arrival_time, min(firsts, default=None), time.monotonic())
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished=True)
+                             finished=True, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request is using. Returns how many were dropped."""
+        return self.core.reset_prefix_cache()

@@ -18,9 +18,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request was added
+    first_token_time: float | None  # when its first output token was sampled
+    finished_time: float | None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics | None = None

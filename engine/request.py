@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.engine.kv.hashing import ROOT_PARENT_HASH, hash_block
 from pagefleet.engine.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    # Prefix-cache namespace: (model name, adapter, cache salt). Requests with
+    # different keys never share KV blocks.
+    extra_keys: tuple[str | int | None, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -44,9 +48,22 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    first_token_time: float | None = None
+    block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Extend `block_hashes` to cover every full block (tokens only grow, so
+        each block is hashed once)."""
+        hashes, tokens = self.block_hashes, self.all_token_ids
+        while (len(hashes) + 1) * block_size <= len(tokens):
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+            hashes.append(hash_block(parent, tokens[start:start + block_size], self.extra_keys))
+        return hashes
 
     @property
     def num_tokens(self) -> int:

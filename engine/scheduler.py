@@ -103,7 +103,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()  # newest request loses its blocks
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -119,10 +119,17 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            assert req.num_computed_tokens == 0
+            hits = self.kv.find_cached_prefix(req)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_cached + num_new, hits):
                 break
             self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            self.kv.record_admission(req.num_tokens, num_cached)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_new))

@@ -105,7 +105,7 @@ def test_prefill_logits_match_hf(arch, request):
     got = []
     with torch.inference_mode():
         for n in (50, 27):
-            assert core.kv.allocate_slots("r", req.num_computed_tokens + n)
+            assert core.kv.allocate_slots(req, req.num_computed_tokens + n)
             input_ids, positions, meta = core.runner._prepare([ScheduledChunk(req, n)])
             hidden = core.model(input_ids, positions, core.runner.kv_caches, meta)
             got.append(core.model.compute_logits(hidden))

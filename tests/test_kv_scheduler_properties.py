@@ -8,20 +8,25 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.engine.kv import BlockPool, KVCacheManager
+from pagefleet.engine.kv import BlockPool, KVCacheManager, block_hashes
 from pagefleet.engine.kv.manager import cdiv
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 
 
-def check_pool(pool: BlockPool, kv: KVCacheManager | None = None) -> None:
+def check_pool(pool: BlockPool, kv: KVCacheManager | None = None,
+               content: dict[int, list[int | None]] | None = None) -> None:
     free = list(pool.free_queue)
     assert len(free) == pool.num_free_blocks
     assert len({b.block_id for b in free}) == len(free), "a block is in the free queue twice"
     assert all(b.ref_cnt == 0 for b in free), "a referenced block is in the free queue"
     held = [b for b in pool.blocks if b.ref_cnt > 0]
     assert len(held) + len(free) == pool.num_blocks, "a block is neither free nor referenced"
+    for h, block in pool.cached.items():
+        assert block.block_hash == h, "hash map entry points at a block with another hash"
+        if content is not None:
+            assert tuple(content[block.block_id]) == block.token_ids, "cached block holds other tokens"
     if kv is not None:
         table_refs: dict[int, int] = {}
         for blocks in kv.req_blocks.values():
@@ -57,22 +62,29 @@ def test_double_free_is_caught():
     raise AssertionError("double free was not detected")
 
 
+# (kind, a, b, c): add = (prompt length, max_tokens, shared-prefix id), step, abort = (which)
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 90), st.integers(1, 12)),
-    st.tuples(st.just("step"), st.just(0), st.just(0)),
-    st.tuples(st.just("abort"), st.integers(0, 1000), st.just(0)),
+    st.tuples(st.just("add"), st.integers(1, 90), st.integers(1, 12), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.just(0), st.just(0), st.just(0)),
+    st.tuples(st.just("abort"), st.integers(0, 1000), st.just(0), st.just(0)),
+    st.tuples(st.just("evict"), st.just(0), st.just(0), st.just(0)),
 )
+# A few fixed "system prompts": requests built from them share leading blocks.
+PREFIXES = [[(7 * k + i) % 50 + 1 for i in range(64)] for k in range(4)]
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(op, max_size=80), num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
-       budget=st.integers(1, 64), max_seqs=st.integers(1, 6))
-def test_scheduler_invariants(ops, num_blocks, block_size, budget, max_seqs):
-    kv = KVCacheManager(num_blocks, block_size)
+       budget=st.integers(1, 64), max_seqs=st.integers(1, 6), caching=st.booleans())
+def test_scheduler_invariants(ops, num_blocks, block_size, budget, max_seqs, caching):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     max_model_len = num_blocks * block_size
     sched = Scheduler(kv, max_seqs, budget, max_model_len)
     live: list[Request] = []
     counter = 0
+    # What each block's KV would hold: written by the (fake) forward pass at the
+    # slots the scheduled tokens map to. Cached blocks must hold their tokens.
+    content: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
 
     def step() -> None:
         out = sched.schedule()
@@ -81,9 +93,16 @@ def test_scheduler_invariants(ops, num_blocks, block_size, budget, max_seqs):
         assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
         sampled = [c.request for c in out.chunks if c.samples]
         for c in out.chunks:
-            assert c.request.status == RequestStatus.RUNNING
-            assert len(kv.req_blocks[c.request.request_id]) * block_size >= (
-                c.request.num_computed_tokens + c.num_new_tokens)
+            req = c.request
+            assert req.status == RequestStatus.RUNNING
+            blocks = kv.req_blocks[req.request_id]
+            assert len(blocks) * block_size >= req.num_computed_tokens + c.num_new_tokens
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + c.num_new_tokens):
+                content[blocks[pos // block_size].block_id][pos % block_size] = req.all_token_ids[pos]
+            # Blocks reused from the cache hold exactly this request's tokens.
+            for i in range(req.num_computed_tokens // block_size):
+                want = req.all_token_ids[i * block_size:(i + 1) * block_size]
+                assert content[blocks[i].block_id] == want, "reused block holds other tokens"
         sched.update_after_step(out)
         for req in sampled:
             req.append_output_token(7)
@@ -94,22 +113,26 @@ def test_scheduler_invariants(ops, num_blocks, block_size, budget, max_seqs):
             assert len(kv.req_blocks[req.request_id]) >= cdiv(req.num_computed_tokens, block_size)
         for req in sched.waiting:
             assert req.request_id not in kv.req_blocks or not kv.req_blocks[req.request_id]
-        check_pool(kv.pool, kv)
+        check_pool(kv.pool, kv, content)
 
-    for kind, a, b in ops:
+    for kind, a, b, c in ops:
         if kind == "add":
             prompt_len = min(a, max_model_len - 1)
-            req = Request(str(counter), [1] * prompt_len, SamplingParams(max_tokens=b))
+            prompt = (PREFIXES[c] + [counter % 50 + 100] * prompt_len)[:prompt_len]
+            req = Request(str(counter), prompt, SamplingParams(max_tokens=b))
             counter += 1
             sched.add_request(req)
             live.append(req)
         elif kind == "step":
             step()
+        elif kind == "evict":
+            kv.reset_prefix_cache()
+            check_pool(kv.pool, kv, content)
         elif live:
             victim = live.pop(a % len(live))
             sched.abort(victim.request_id)
             assert victim.status == RequestStatus.FINISHED_ABORTED
-            check_pool(kv.pool, kv)
+            check_pool(kv.pool, kv, content)
 
     # Drain: everything must finish (progress guaranteed) and give every block back.
     for _ in range(10_000):
@@ -119,3 +142,22 @@ def test_scheduler_invariants(ops, num_blocks, block_size, budget, max_seqs):
     assert not sched.num_unfinished, "scheduler stopped making progress"
     assert kv.num_free_blocks == num_blocks
     assert not any(kv.req_blocks.values())
+    assert kv.prefix_stats.hits <= kv.prefix_stats.queries
+    if not caching:
+        assert not kv.pool.cached
+
+
+def test_block_hashes_contract():
+    """Pure, chained, deterministic (pinned values: the router relies on them), and
+    namespaced by extra keys."""
+    tokens = list(range(40))
+    h = block_hashes(tokens, 16, ("m", None, None))
+    assert len(h) == 2  # the trailing 8 tokens form no full block
+    assert h == block_hashes(tokens[:32], 16, ("m", None, None))
+    assert block_hashes(tokens, 16, ("m", None, "salt"))[0] != h[0]
+    assert block_hashes(tokens, 16, ("other-model", None, None))[0] != h[0]
+    changed = list(tokens)
+    changed[3] = 99
+    h2 = block_hashes(changed, 16, ("m", None, None))
+    assert h2[0] != h[0] and h2[1] != h[1], "a change in block 0 must change every later hash"
+    assert h == [69682499472193535168250524725859122831, 137064979171085598291739673333037234026]

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    # Prefix cache identity, set once the block is full and registered in the
+    # pool's hash map; kept after the block is freed so a later request can
+    # reuse it, cleared when the block is evicted for new content.
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
     # Links of the intrusive free list; None while the block is not free.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -71,12 +77,19 @@ class FreeBlockQueue:
 
 
 class BlockPool:
+    """Blocks, their ref counts, and the prefix cache's hash -> block map.
+
+    A free block may still be cached: it stays in the map until the free queue
+    hands it out for new content (lazy eviction, least recently freed first).
+    """
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,9 +107,49 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache hits, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    # ---- prefix cache ------------------------------------------------------------------
+
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> KVBlock | None:
+        """The cached block with this hash, if its content really matches: a hash
+        collision (same hash, other parent or tokens) is a miss, never a wrong hit."""
+        block = self.cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: int, parent_hash: int, token_ids: list[int]) -> None:
+        """Register a full block under its hash. If another block already holds the
+        same content (two requests computed it at once), the first stays canonical."""
+        assert block.ref_cnt > 0 and block.block_hash is None
+        if block_hash in self.cached:
+            return
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
+            del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = block.parent_hash = block.token_ids = None
+
+    def evict_all(self) -> int:
+        """Drop every cached block that no request uses (e.g. after new weights). Returns the count."""
+        idle = [b for b in self.cached.values() if b.ref_cnt == 0]
+        for block in idle:
+            self._evict(block)
+        return len(idle)
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block. Callers pass a request's blocks in
