@@ -46,6 +46,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
     num_computed_tokens: int  # tokens that went through the model (prefill + decode)
+    num_prompt_tokens_computed: int  # of those, prompt positions (what prefix caching saves)
 
 
 class EngineCore:
@@ -79,6 +80,7 @@ class EngineCore:
 
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.num_computed_tokens = 0
+        self.num_prompt_tokens_computed = 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_blocks, config.block_size, self.dtype,
@@ -105,6 +107,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        for c in sched.chunks:
+            start, end = c.request.num_computed_tokens, c.request.num_computed_tokens + c.num_new_tokens
+            self.num_prompt_tokens_computed += max(0, min(end, c.request.num_prompt_tokens) - start)
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched)
         self.num_computed_tokens += sched.num_batched_tokens
@@ -140,7 +145,8 @@ class EngineCore:
         return EngineStats(self.num_blocks, self.config.block_size, self.max_model_len,
                            self.kv.num_free_blocks, len(s.running), len(s.waiting),
                            s.stats.peak_num_running, s.stats.num_preemptions, s.stats.num_steps,
-                           self.kv.prefix_stats.queries, self.kv.prefix_stats.hits, self.num_computed_tokens)
+                           self.kv.prefix_stats.queries, self.kv.prefix_stats.hits, self.num_computed_tokens,
+                           self.num_prompt_tokens_computed)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
