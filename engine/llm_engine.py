@@ -51,6 +51,7 @@ class _Sequence:
     request: Request
     detok: IncrementalDetokenizer | None
     logprobs: list | None
+    num_sent_tokens: int = 0  # streaming: tokens already handed out in deltas
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    stream: bool
     seqs: list[_Sequence] = field(default_factory=list)
 
 
@@ -75,7 +77,7 @@ class LLMEngine:
         self.seed = config.seed
         self.model_name = config.served_model_name or str(config.model)
         self._states: dict[str, _RequestState] = {}
-        self._seq_to_parent: dict[str, str] = {}
+        self._seqs: dict[str, tuple[_RequestState, _Sequence]] = {}  # sequence id -> its request
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -108,10 +110,14 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    stream_text: bool = False, cache_salt: str | None = None) -> None:
-        """Queue a request (n sequences). With `stream_text` every step detokenizes
-        incrementally; otherwise only sequences with stop strings do, and the rest
-        are decoded once at the end (no per-token text work offline).
+                    stream: bool = False, cache_salt: str | None = None) -> None:
+        """Queue a request (n sequences).
+
+        With `stream`, step() returns a delta output for the request every step
+        it makes progress (new text and token ids since the last one), and text is
+        detokenized incrementally. Otherwise only one cumulative output comes, when
+        the request finishes; only sequences with stop strings detokenize per
+        token, the rest are decoded once at the end (no per-token text work).
 
         `cache_salt` puts the request in its own prefix-cache namespace: only
         requests with the same salt share KV blocks with it (tenant isolation)."""
@@ -121,7 +127,7 @@ class LLMEngine:
             raise ValueError("cache_salt: must be a non-empty string")
         ids = self.validate(prompt, params)
         extra_keys = (self.model_name, None, cache_salt)
-        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids)
+        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, stream)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
@@ -129,10 +135,11 @@ class LLMEngine:
                 gen = torch.Generator(device=self.core.device).manual_seed(params.seed + i)
             req = Request(seq_id, ids, params, self.eos_token_ids, gen, extra_keys)
             detok = None
-            if self.tokenizer is not None and (stream_text or params.stop):
+            if self.tokenizer is not None and (stream or params.stop):
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params)
-            state.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
-            self._seq_to_parent[seq_id] = request_id
+            seq = _Sequence(req, detok, [] if params.logprobs is not None else None)
+            state.seqs.append(seq)
+            self._seqs[seq_id] = (state, seq)
         self._states[request_id] = state
         for seq in state.seqs:
             self.core.add_request(seq.request)
@@ -142,7 +149,7 @@ class LLMEngine:
         if state is None:
             return
         for seq in state.seqs:
-            self._seq_to_parent.pop(seq.request.request_id, None)
+            self._seqs.pop(seq.request.request_id, None)
             if not seq.request.status.finished:
                 self.core.finish(seq.request, RequestStatus.FINISHED_ABORTED, None)
 
@@ -152,12 +159,11 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that finished."""
+        """Run one engine step. Returns a delta output for every streaming request
+        that progressed, and a cumulative output for every other request that finished."""
         touched: dict[str, _RequestState] = {}
         for u in self.core.step():
-            parent = self._seq_to_parent[u.request.request_id]
-            state = self._states[parent]
-            seq = next(s for s in state.seqs if s.request is u.request)
+            state, seq = self._seqs[u.request.request_id]
             if seq.logprobs is not None and u.new_logprobs:
                 seq.logprobs.extend(u.new_logprobs)
             if seq.detok is not None:
@@ -170,15 +176,33 @@ class LLMEngine:
                         u.request.stop_reason = stop
                     else:
                         self.core.finish(u.request, RequestStatus.FINISHED_STOPPED, stop)
-            touched[parent] = state
+            touched[state.request_id] = state
         outputs = []
         for rid, state in touched.items():
-            if all(s.request.status.finished for s in state.seqs):
+            finished = all(s.request.status.finished for s in state.seqs)
+            if state.stream:
+                outputs.append(self._make_delta(state, finished))
+            elif finished:
                 outputs.append(self._make_output(state))
+            if finished:
                 del self._states[rid]
                 for s in state.seqs:
-                    del self._seq_to_parent[s.request.request_id]
+                    del self._seqs[s.request.request_id]
         return outputs
+
+    def _make_delta(self, state: _RequestState, finished: bool) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(state.seqs):
+            req = seq.request
+            new_ids = req.output_token_ids[seq.num_sent_tokens:]
+            new_lps = None if seq.logprobs is None else seq.logprobs[seq.num_sent_tokens:]
+            seq.num_sent_tokens = len(req.output_token_ids)
+            text = seq.detok.get_delta() if seq.detok is not None else ""
+            finish = req.status.value if req.status.finished else None
+            completions.append(CompletionOutput(i, text, new_ids, finish, req.stop_reason, new_lps))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished=finished, num_cached_tokens=max(state.seqs[0].request.num_cached_tokens, 0),
+                             metrics=self._metrics(state) if finished else None)
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         completions = []
@@ -194,11 +218,17 @@ class LLMEngine:
             finish = req.status.value if req.status.finished else None
             completions.append(CompletionOutput(i, text, list(req.output_token_ids), finish,
                                                 req.stop_reason, seq.logprobs))
-        first = state.seqs[0].request
-        firsts = [s.request.first_token_time for s in state.seqs if s.request.first_token_time is not None]
-        metrics = RequestMetrics(first.arrival_time, min(firsts, default=None), time.monotonic())
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished=True, num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+                             finished=True, num_cached_tokens=max(state.seqs[0].request.num_cached_tokens, 0),
+                             metrics=self._metrics(state))
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> RequestMetrics:
+        def earliest(attr: str) -> float | None:
+            return min((t for s in state.seqs if (t := getattr(s.request, attr)) is not None), default=None)
+
+        return RequestMetrics(state.seqs[0].request.arrival_time, earliest("first_scheduled_time"),
+                              earliest("first_token_time"), time.monotonic())
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -20,8 +20,13 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None  # when the scheduler first gave it compute
     first_token_time: float | None  # when its first output token was sampled
     finished_time: float | None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -49,6 +49,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
 

@@ -11,6 +11,7 @@ recomputed later, which gives identical output because its tokens are kept.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -130,6 +131,7 @@ class Scheduler:
             self.kv.record_admission(req.num_tokens, num_cached)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_new))
