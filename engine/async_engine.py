@@ -65,10 +65,14 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the step loop. Call from the event loop's thread: requests still in
+        flight get an EngineDeadError instead of waiting forever for their next output."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError("engine shut down"))
 
     @property
     def is_running(self) -> bool:
@@ -155,7 +159,10 @@ class AsyncEngine:
                     continue  # the client left before the engine saw the request
                 try:
                     self.engine.add_request(rid, ids, params, stream=True, cache_salt=salt)
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 - one bad request must not kill the step loop
+                    if not isinstance(e, ValueError):  # ValueErrors come before any state is kept
+                        logger.exception("request %s could not be added", rid)
+                        self.engine.abort(rid)  # drop whatever part of it was registered (ids are unique)
                     self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
             else:
                 self.engine.abort(cmd[1])

@@ -35,6 +35,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Gather buffers for the decodes' K and V, allocated once per step and reused by
+    # every layer: a fresh tens-of-MB tensor per layer costs more in page faults
+    # than the copy itself on CPU.
+    decode_k_buf: torch.Tensor | None = None
+    decode_v_buf: torch.Tensor | None = None
 
 
 def causal_mask(context_len: int, num_new: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -82,8 +87,15 @@ class TorchAttention:
             # One padded call for all decodes. The query's G heads that share a
             # kv head become the "query length" dim, so kv is never repeated.
             qd = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
-            kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            flat = meta.decode_block_tables.view(-1)
+            if meta.decode_k_buf is None:  # first layer of the step sizes the buffers
+                meta.decode_k_buf = torch.empty((flat.numel(), *k_cache.shape[1:]), dtype=k_cache.dtype,
+                                                device=k_cache.device)
+                meta.decode_v_buf = torch.empty_like(meta.decode_k_buf)
+            torch.index_select(k_cache, 0, flat, out=meta.decode_k_buf)
+            torch.index_select(v_cache, 0, flat, out=meta.decode_v_buf)
+            kd = meta.decode_k_buf.view(nd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = meta.decode_v_buf.view(nd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out[:nd] = od.reshape(nd, self.num_heads, self.head_dim)
 
@@ -98,8 +110,8 @@ class TorchAttention:
                                                     enable_gqa=self.group > 1)
             else:
                 total = p.context_len + n
-                kp = k_cache[p.block_ids].flatten(0, 1)[:total].transpose(0, 1)[None]
-                vp = v_cache[p.block_ids].flatten(0, 1)[:total].transpose(0, 1)[None]
+                kp = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:total].transpose(0, 1)[None]
+                vp = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:total].transpose(0, 1)[None]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale,
                                                     enable_gqa=self.group > 1)
             out[p.start:p.end] = op[0].transpose(0, 1)

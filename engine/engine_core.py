@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.config import EngineConfig, resolve_dtype
+from pagefleet.engine.config import EngineConfig, keep_freed_memory_in_process, resolve_dtype
 from pagefleet.engine.kv import KVCacheManager
 from pagefleet.engine.model_runner import ModelRunner
 from pagefleet.engine.models import model_class_for
@@ -55,6 +55,8 @@ class EngineCore:
         self.device = config.torch_device()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg.torch_dtype)
 

@@ -7,7 +7,7 @@ model) happen in the server.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +21,24 @@ PositiveTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+def _check_utf8(value: Any, name: str) -> None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode;
+    reject them here as the client's error instead of failing deep in the engine."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name}: text must be valid Unicode (no lone surrogates)") from None
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_utf8(v, name)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_utf8(v, name)
+    elif isinstance(value, BaseModel):
+        _check_utf8(value.__dict__, name)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -29,6 +47,7 @@ class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, metadata...) are ignored
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()  # besides model/stop/cache_salt: text checked for UTF-8
 
     model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -57,6 +76,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"stop: at most {MAX_STOP} stop strings")
         if isinstance(self.stop, str) and not self.stop:
             raise ValueError("stop: must be a non-empty string")
+        for name in ("model", "stop", "cache_salt", *self.TEXT_FIELDS):
+            _check_utf8(getattr(self, name, None), name)
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
@@ -84,6 +105,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    TEXT_FIELDS = ("prompt",)
+
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)])
@@ -119,6 +142,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    TEXT_FIELDS = ("messages",)
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None

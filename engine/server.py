@@ -66,6 +66,8 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
             async_engine.start()
             state.engine = async_engine
             logger.info("model %s loaded; serving", model_name)
+        except asyncio.CancelledError:
+            raise  # the server is shutting down while loading: not a load failure
         except BaseException as e:  # noqa: BLE001 - reported through /health and the exit code
             logger.exception("model failed to load")
             state.load_error = f"{type(e).__name__}: {e}"
@@ -250,28 +252,41 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         return {"content": [{**entry(t, lp.token_logprob), "top_logprobs": [entry(tt, v) for tt, v in lp.top]}
                             for t, lp in zip(token_ids, lps, strict=True)]}
 
-    def observe(m: ServerMetrics, out: RequestOutput, timing: dict) -> None:
-        now = time.monotonic()
-        n_new = sum(len(c.token_ids) for c in out.outputs)
-        if n_new:
-            if "last" not in timing:
-                m.ttft.observe(now - timing["start"])
-            else:
-                gap = (now - timing["last"]) / n_new
-                for _ in range(n_new):
-                    m.itl.observe(gap)
-            timing["last"] = now
-        if out.finished:
-            m.e2e.observe(now - timing["start"])
-            if out.metrics is not None and out.metrics.queue_time is not None:
-                m.queue_time.observe(max(out.metrics.queue_time, 0.0))
+    class Timing:
+        """Latency bookkeeping of one HTTP request: one clock per engine request (prompt),
+        one last-token time per sequence, so TTFT and e2e are observed once per prompt
+        and inter-token gaps per sequence, whatever n and the number of prompts."""
+
+        def __init__(self) -> None:
+            self.start = time.monotonic()
+            self.first: set[int] = set()
+            self.last: dict[tuple[int, int], float] = {}
+
+        def observe(self, i: int, out: RequestOutput) -> None:
+            now = time.monotonic()
+            for c in out.outputs:
+                if not c.token_ids:
+                    continue
+                if i not in self.first:
+                    self.first.add(i)
+                    metrics.ttft.observe(now - self.start)
+                last = self.last.get((i, c.index))
+                if last is not None:
+                    gap = (now - last) / len(c.token_ids)
+                    for _ in c.token_ids:
+                        metrics.itl.observe(gap)
+                self.last[(i, c.index)] = now
+            if out.finished:
+                metrics.e2e.observe(now - self.start)
+                if out.metrics is not None and out.metrics.queue_time is not None:
+                    metrics.queue_time.observe(max(out.metrics.queue_time, 0.0))
 
     async def generate_choices(ae: AsyncEngine, prefix: str, jobs, n: int, cache_salt: str | None):
         """Collect a non-streaming response: text, tokens and logprobs per choice."""
         choices = {}
-        timing = {"start": time.monotonic()}
+        timing = Timing()
         async for i, out in run_all(ae, prefix, jobs, cache_salt):
-            observe(metrics, out, timing)
+            timing.observe(i, out)
             for c in out.outputs:
                 ch = choices.setdefault(i * n + c.index, {"text": "", "ids": [], "lps": [], "finish": None})
                 ch["text"] += c.text
@@ -341,6 +356,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         want_lp = body.logprobs if chat else body.logprobs is not None
+        timing = Timing()  # before the first token: TTFT counts the wait for it
         gen = run_all(ae, "chatcmpl" if chat else "cmpl", jobs, body.cache_salt)
         # Pull the first item before answering 200: a full queue or a dead engine
         # must still become a proper 429/503 status, not an error inside the stream.
@@ -357,7 +373,6 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
 
         async def events() -> AsyncIterator[str]:
             completion_tokens, offsets = 0, {}
-            timing = {"start": time.monotonic()}
             try:
                 if chat:
                     yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -365,7 +380,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
                 item = first
                 while item is not None:
                     i, out = item
-                    observe(metrics, out, timing)
+                    timing.observe(i, out)
                     choices = []
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
@@ -395,6 +410,11 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
                 pass
             except (QueueFullError, EngineDeadError) as e:
                 yield sse(error_body(str(e), "service_unavailable"))
+            except ValueError as e:  # a later prompt of a batch the engine refused
+                yield sse(error_body(str(e), param=_param_of(str(e))))
+            except Exception as e:  # noqa: BLE001 - the status line is sent; end the stream in-band
+                logger.exception("stream failed")
+                yield sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
             finally:
                 await gen.aclose()
             if include_usage:
