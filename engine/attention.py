@@ -29,17 +29,43 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended to in one padded call."""
+    start: int  # token offsets in the flattened batch (one token per decode)
+    end: int
+    block_tables: torch.Tensor  # [n, max_blocks] (padding entries point at block 0, masked)
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool
+    # Gather buffers for K and V, allocated by the first layer and reused by every
+    # other: a fresh tens-of-MB tensor per layer costs more in page faults than
+    # the copy itself on CPU.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every token in the step
     num_decode_tokens: int  # tokens [0, num_decode_tokens) are decodes, one per request
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Gather buffers for the decodes' K and V, allocated once per step and reused by
-    # every layer: a fresh tens-of-MB tensor per layer costs more in page faults
-    # than the copy itself on CPU.
-    decode_k_buf: torch.Tensor | None = None
-    decode_v_buf: torch.Tensor | None = None
+
+
+def bucket_by_length(lengths: list[int], max_groups: int = 4, min_fill: float = 0.7) -> list[tuple[int, int]]:
+    """Split ascending context lengths into contiguous [start, end) groups so that
+    padding each group to its own longest wastes little: a group takes shorter
+    members while they are at least `min_fill` of its longest; the last allowed
+    group takes everything left (each call has a fixed cost)."""
+    assert all(a <= b for a, b in zip(lengths, lengths[1:], strict=False)), "lengths must be sorted"
+    groups: list[tuple[int, int]] = []
+    end = len(lengths)
+    while end > 0:
+        start = end - 1
+        longest = lengths[end - 1]
+        while start > 0 and (len(groups) == max_groups - 1 or lengths[start - 1] >= min_fill * longest):
+            start -= 1
+        groups.append((start, end))
+        end = start
+    return groups[::-1]
 
 
 def causal_mask(context_len: int, num_new: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -81,23 +107,21 @@ class TorchAttention:
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
 
-        nd = meta.num_decode_tokens
-        if nd:
-            assert meta.decode_block_tables is not None and meta.decode_mask is not None
-            # One padded call for all decodes. The query's G heads that share a
-            # kv head become the "query length" dim, so kv is never repeated.
-            qd = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
-            flat = meta.decode_block_tables.view(-1)
-            if meta.decode_k_buf is None:  # first layer of the step sizes the buffers
-                meta.decode_k_buf = torch.empty((flat.numel(), *k_cache.shape[1:]), dtype=k_cache.dtype,
-                                                device=k_cache.device)
-                meta.decode_v_buf = torch.empty_like(meta.decode_k_buf)
-            torch.index_select(k_cache, 0, flat, out=meta.decode_k_buf)
-            torch.index_select(v_cache, 0, flat, out=meta.decode_v_buf)
-            kd = meta.decode_k_buf.view(nd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = meta.decode_v_buf.view(nd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
-            out[:nd] = od.reshape(nd, self.num_heads, self.head_dim)
+        for g in meta.decode_groups:
+            # One padded call per group. The query's G heads that share a kv head
+            # become the "query length" dim, so kv is never repeated per head.
+            n = g.end - g.start
+            qd = q[g.start:g.end].view(n, self.num_kv_heads, self.group, self.head_dim)
+            flat = g.block_tables.view(-1)
+            if g.k_buf is None:  # the step's first layer sizes the buffers
+                g.k_buf = torch.empty((flat.numel(), *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
+                g.v_buf = torch.empty_like(g.k_buf)
+            torch.index_select(k_cache, 0, flat, out=g.k_buf)
+            torch.index_select(v_cache, 0, flat, out=g.v_buf)
+            kd = g.k_buf.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [n, Hkv, L, D]
+            vd = g.v_buf.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale)
+            out[g.start:g.end] = od.reshape(n, self.num_heads, self.head_dim)
 
         for p in meta.prefills:
             n = p.end - p.start

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagefleet.engine.attention import AttentionMetadata, PrefillChunk, causal_mask, decode_mask
+from pagefleet.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    bucket_by_length,
+    causal_mask,
+    decode_mask,
+)
 from pagefleet.engine.kv import KVCacheManager
 from pagefleet.engine.models import LlamaForCausalLM
 from pagefleet.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -42,8 +49,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        # Decodes (one new token) first, so they form one contiguous, batchable run.
-        chunks = sorted(sched.chunks, key=lambda c: c.num_new_tokens != 1)
+        # Decodes (one new token) first, shortest context first, so that groups of
+        # similar length form contiguous runs the backend attends to in one call each.
+        chunks = sorted(sched.chunks, key=lambda c: (c.num_new_tokens != 1, c.request.num_computed_tokens))
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
@@ -90,13 +98,14 @@ class ModelRunner:
         to = lambda a: torch.from_numpy(np.concatenate(a)).to(self.device)
         meta = AttentionMetadata(slot_mapping=to(slot_parts), num_decode_tokens=len(decode_lens),
                                  prefills=prefills)
-        if decode_lens:
-            width = max(len(t) for t in decode_tables)
-            table = np.zeros((len(decode_tables), width), dtype=np.int64)  # padding is masked out
-            for row, t in enumerate(decode_tables):
+        for start, end in bucket_by_length(decode_lens):
+            tables = decode_tables[start:end]
+            width = max(len(t) for t in tables)
+            table = np.zeros((len(tables), width), dtype=np.int64)  # padding is masked out
+            for row, t in enumerate(tables):
                 table[row, :len(t)] = t
-            meta.decode_block_tables = torch.from_numpy(table).to(self.device)
-            lens = torch.tensor(decode_lens, device=self.device)
-            meta.decode_mask = decode_mask(lens, width * bs, self.sliding_window)
+            lens = torch.tensor(decode_lens[start:end], device=self.device)
+            meta.decode_groups.append(DecodeGroup(start, end, torch.from_numpy(table).to(self.device),
+                                                  decode_mask(lens, width * bs, self.sliding_window)))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, to(pos_parts), meta

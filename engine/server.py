@@ -234,6 +234,15 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         tok = ae.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
 
+    def top_dict(ae: AsyncEngine, top: list[tuple[int, float]]) -> dict[str, float]:
+        """The legacy format keys alternatives by text. Two ids can decode to the same text
+        (e.g. byte tokens that each render as U+FFFD); keep the first, i.e. the most likely,
+        instead of letting a later, less likely one overwrite it."""
+        out: dict[str, float] = {}
+        for t, v in top:
+            out.setdefault(token_text(ae, t), v)
+        return out
+
     def completion_logprobs(ae: AsyncEngine, token_ids: list[int], lps, offset: int) -> dict:
         tokens = [token_text(ae, t) for t in token_ids]
         offsets, pos = [], offset
@@ -241,8 +250,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
             offsets.append(pos)
             pos += len(t)
         return {"tokens": tokens, "token_logprobs": [lp.token_logprob for lp in lps],
-                "top_logprobs": [{token_text(ae, t): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
+                "top_logprobs": [top_dict(ae, lp.top) for lp in lps], "text_offset": offsets}
 
     def chat_logprobs(ae: AsyncEngine, token_ids: list[int], lps) -> dict:
         def entry(t: int, v: float) -> dict:

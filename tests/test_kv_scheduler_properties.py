@@ -161,3 +161,16 @@ def test_block_hashes_contract():
     h2 = block_hashes(changed, 16, ("m", None, None))
     assert h2[0] != h[0] and h2[1] != h[1], "a change in block 0 must change every later hash"
     assert h == [69682499472193535168250524725859122831, 137064979171085598291739673333037234026]
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=300), st.integers(1, 6))
+def test_decode_buckets_partition_sorted_lengths(lengths, max_groups):
+    from pagefleet.engine.attention import bucket_by_length
+
+    lengths.sort()
+    groups = bucket_by_length(lengths, max_groups=max_groups)
+    assert 1 <= len(groups) <= max_groups
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(groups, groups[1:], strict=False))
+    for start, end in groups[1:]:  # every group but the catch-all first one keeps padding below 30%
+        assert lengths[start] >= 0.7 * lengths[end - 1]
