@@ -1,0 +1,232 @@
+"""Serving vs offline: the same workload through HTTP and through `LLM.generate`.
+
+Measures what the HTTP server costs. Our engine is started as a real
+`pagefleet engine` process; an async client streams the offline throughput
+benchmark's workload (64 requests, prompts 32-512 tokens, outputs 32-256,
+ignore_eos, greedy) at a fixed concurrency and records, per request, time to
+first token and the gaps between streamed tokens. The offline reference runs
+the same workload in-process, once with the default scheduler limits and once
+capped at the HTTP concurrency (`max_num_seqs`), since a batch of 16 and a
+batch of 64 are different amounts of work per step on a CPU.
+
+Usage:
+    .venv/bin/python bench/serving.py                  # the recorded configuration
+    .venv/bin/python bench/serving.py --num-requests 8 --hidden-size 64 --num-layers 2 \
+        --num-heads 4 --num-kv-heads 2 --intermediate-size 128 --vocab-size 512   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offline_throughput as ot  # noqa: E402  (shared workload, checkpoint and machine info)
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "bench"
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+    return {"mean": statistics.fmean(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_offline(model: Path, workload: ot.Workload, args, max_num_seqs: int) -> dict:
+    from pagefleet.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model), dtype=args.dtype, kv_cache_memory=args.kv_budget, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=args.max_batch_tokens)
+    warm = ot.warmup_workload(workload)
+    llm.generate(warm.prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in warm.output_lens])
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params)
+    wall = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    del llm
+    return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+            "ttft_s": percentiles(ttft), "outputs": [o.outputs[0].token_ids for o in outs]}
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "logprobs": None}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    # Text can arrive a few tokens at a time (held-back multi-byte characters), so
+    # inter-token latency is measured per streamed chunk and spread over its tokens.
+    completion = usage["completion_tokens"] if usage else 0
+    itl = []
+    if len(stamps) > 1 and completion > 1:
+        per = (stamps[-1] - stamps[0]) / (completion - 1)
+        itl = [per] * (completion - 1)
+    return {"ttft": (stamps[0] if stamps else end) - start, "e2e": end - start, "completion_tokens": completion,
+            "itl": itl, "chunk_gaps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]}
+
+
+async def run_http(base_url: str, workload: ot.Workload, concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+        await one_request(client, workload.prompts[0][:16], 4)  # warm-up: connection, lazy init
+
+        async def bounded(p: list[int], n: int) -> dict:
+            async with sem:
+                return await one_request(client, p, n)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p, n) for p, n in zip(workload.prompts, workload.output_lens,
+                                                                          strict=True)))
+        wall = time.perf_counter() - start
+    generated = sum(r["completion_tokens"] for r in results)
+    return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+            "ttft_s": percentiles([r["ttft"] for r in results]),
+            "itl_s": percentiles([x for r in results for x in r["itl"]]),
+            "chunk_gap_s": percentiles([x for r in results for x in r["chunk_gaps"]]),
+            "e2e_s": percentiles([r["e2e"] for r in results])}
+
+
+def start_server(model: Path, port: int, args) -> subprocess.Popen:
+    cmd = [str(ROOT / ".venv/bin/pagefleet"), "engine", "--model", str(model), "--served-model-name", MODEL_NAME,
+           "--port", str(port), "--dtype", args.dtype, "--kv-cache-memory", args.kv_budget,
+           "--max-num-batched-tokens", str(args.max_batch_tokens), "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 300 s")
+
+
+def fmt(d: dict, key: str) -> str:
+    return f"{d[key] * 1e3:.0f}" if d and key in d else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=16, help="in-flight HTTP requests (default 16)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the engine (default 2)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-budget", default="2GiB")
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="an existing checkpoint dir (default: build the ~125M Llama)")
+    p.add_argument("--hidden-size", type=int, default=768)
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--num-heads", type=int, default=12)
+    p.add_argument("--num-kv-heads", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--result-json", default=str(ROOT / "bench/results/serving.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model = ot.ensure_checkpoint(args)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    workload = ot.make_workload(args.num_requests, (args.min_prompt, args.max_prompt),
+                                (args.min_output, args.max_output), config.vocab_size,
+                                ot.special_token_ids(model, config), args.seed)
+
+    print("offline, default limits ...", file=sys.stderr)
+    offline = run_offline(model, workload, args, max_num_seqs=256)
+    print(f"offline, max_num_seqs={args.concurrency} ...", file=sys.stderr)
+    offline_capped = run_offline(model, workload, args, max_num_seqs=args.concurrency)
+    port = free_port()
+    print(f"HTTP at concurrency {args.concurrency} ...", file=sys.stderr)
+    server = start_server(model, port, args)
+    try:
+        http = asyncio.run(run_http(f"http://127.0.0.1:{port}", workload, args.concurrency))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    assert http["generated_tokens"] == workload.num_output_tokens == offline["generated_tokens"]
+    result = {
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/serving.py", *(argv or sys.argv[1:])]),
+        "machine": ot.machine_info(args.threads), "model": str(model), "concurrency": args.concurrency,
+        "num_requests": args.num_requests, "output_tokens": workload.num_output_tokens,
+        "offline": {k: v for k, v in offline.items() if k != "outputs"},
+        "offline_capped": {k: v for k, v in offline_capped.items() if k != "outputs"},
+        "http": http,
+        "ratio_http_vs_offline": http["tokens_per_s"] / offline["tokens_per_s"],
+        "ratio_http_vs_offline_capped": http["tokens_per_s"] / offline_capped["tokens_per_s"],
+    }
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.result_json).write_text(json.dumps(result, indent=2))
+
+    rows = [("offline `LLM.generate` (max_num_seqs 256)", offline),
+            (f"offline `LLM.generate` (max_num_seqs {args.concurrency})", offline_capped),
+            (f"HTTP `pagefleet engine`, concurrency {args.concurrency}", http)]
+    print("| run | gen tokens | wall s | tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        ttft, itl = r["ttft_s"], r.get("itl_s", {})
+        print(f"| {name} | {r['generated_tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | "
+              f"{fmt(ttft, 'p50')} / {fmt(ttft, 'p90')} / {fmt(ttft, 'p99')} | "
+              f"{fmt(itl, 'p50')} / {fmt(itl, 'p90')} / {fmt(itl, 'p99')} |")
+    print(f"\nHTTP / offline: {result['ratio_http_vs_offline']:.2f}x; "
+          f"HTTP / offline at the same concurrency: {result['ratio_http_vs_offline_capped']:.2f}x")
+    print(f"machine: {result['machine']['cpu_model']}, {args.threads} threads, torch {torch.__version__}; "
+          f"loadavg {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
