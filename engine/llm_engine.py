@@ -137,11 +137,11 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None and (stream or params.stop):
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params)
-            seq = _Sequence(req, detok, [] if params.logprobs is not None else None)
-            state.seqs.append(seq)
-            self._seqs[seq_id] = (state, seq)
+            state.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
+        # Registered only once every sequence was built, so a failure above leaves nothing behind.
         self._states[request_id] = state
         for seq in state.seqs:
+            self._seqs[seq.request.request_id] = (state, seq)
             self.core.add_request(seq.request)
 
     def abort(self, request_id: str) -> None:

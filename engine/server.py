@@ -137,7 +137,10 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
             return {"status": "ok"}
         reason = ("draining" if state.draining else "failed" if state.load_error or state.engine is not None
                   else "loading")
-        return JSONResponse({"status": reason, "error": state.load_error}, status_code=503)
+        error = state.load_error
+        if error is None and state.engine is not None and state.engine.error is not None:
+            error = f"engine step loop crashed: {state.engine.error!r}"
+        return JSONResponse({"status": reason, "error": error}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -315,7 +318,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         prompt_tokens = sum(len(ids) for ids, _ in jobs)
         want_lp = body.logprobs is not None
         if body.stream:
-            return await stream_response(ae, rid, created, jobs, n, prompt_tokens, body, chat=False)
+            return await stream_response(raw, ae, rid, created, jobs, n, prompt_tokens, body, chat=False)
         try:
             result = await watch_disconnect(raw, generate_choices(ae, "cmpl", jobs, n, body.cache_salt))
         except (QueueFullError, EngineDeadError) as e:
@@ -346,7 +349,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         rid, created = ae.new_request_id("chatcmpl"), int(time.time())
         prompt_tokens = len(jobs[0][0])
         if body.stream:
-            return await stream_response(ae, rid, created, jobs, body.n, prompt_tokens, body, chat=True)
+            return await stream_response(raw, ae, rid, created, jobs, body.n, prompt_tokens, body, chat=True)
         try:
             result = await watch_disconnect(raw, generate_choices(ae, "chatcmpl", jobs, body.n, body.cache_salt))
         except (QueueFullError, EngineDeadError) as e:
@@ -359,8 +362,8 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage(prompt_tokens, sum(len(c["ids"]) for c in result))}
 
-    async def stream_response(ae: AsyncEngine, rid: str, created: int, jobs, n: int, prompt_tokens: int,
-                              body, chat: bool) -> StreamingResponse:
+    async def stream_response(raw: Request, ae: AsyncEngine, rid: str, created: int, jobs, n: int,
+                              prompt_tokens: int, body, chat: bool) -> Response:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         want_lp = body.logprobs if chat else body.logprobs is not None
@@ -368,12 +371,22 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         gen = run_all(ae, "chatcmpl" if chat else "cmpl", jobs, body.cache_salt)
         # Pull the first item before answering 200: a full queue or a dead engine
         # must still become a proper 429/503 status, not an error inside the stream.
+        # Until then no response has started, so nothing notices a client that leaves
+        # while its request waits in the queue: watch for that, as non-streaming does.
+        async def first_item():
+            try:
+                return await gen.__anext__()
+            except StopAsyncIteration:
+                return None
+
         try:
-            first = await gen.__anext__()
+            first = await watch_disconnect(raw, first_item())
         except (QueueFullError, EngineDeadError) as e:
             raise engine_errors(e) from None
-        except StopAsyncIteration:
-            first = None
+        if isinstance(first, Response):  # the client left; the cancellation closed `gen`
+            return first
+        if first is not None:
+            timing.observe(*first)
 
         def chunk(choices: list[dict], **extra) -> str:
             return sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
@@ -388,7 +401,6 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
                 item = first
                 while item is not None:
                     i, out = item
-                    timing.observe(i, out)
                     choices = []
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
@@ -414,6 +426,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
                     if choices:
                         yield chunk(choices)
                     item = await gen.__anext__()
+                    timing.observe(*item)
             except StopAsyncIteration:
                 pass
             except (QueueFullError, EngineDeadError) as e:

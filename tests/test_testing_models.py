@@ -77,7 +77,7 @@ def test_checkpoint_loads_back(arch: str, request: pytest.FixtureRequest,
         assert not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
         assert attn.q_proj.bias is None
     if arch == "mistral":
-        assert cfg.sliding_window is None
+        assert cfg.sliding_window == 64  # conftest's tiny_mistral exercises sliding-window attention
     # Non-trivial norm weights, for the same reason as the biases.
     assert not torch.allclose(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
 
