@@ -461,6 +461,22 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
+def model_info(model_path: Path, config: Any, dtype: str) -> dict[str, Any]:
+    """The model's shape for a result file (shared by every bench script)."""
+    return {
+        "path": str(model_path),
+        "arch": getattr(config, "model_type", None),
+        "num_parameters": count_parameters(model_path),
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "vocab_size": config.vocab_size,
+        "dtype": dtype,
+    }
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     """How far two systems' greedy outputs agree (a sanity check, not a benchmark metric).
 
@@ -489,20 +505,26 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's flags (every bench script builds the same ~125M Llama by default)."""
+    g = p.add_argument_group("model (random weights, built once into bench/.cache/; shape flags are ignored "
+                             "with --model)")
+    g.add_argument("--model", help="use this existing HF checkpoint directory instead of building one")
+    g.add_argument("--hidden-size", type=int, default=768, help="model width")
+    g.add_argument("--num-layers", type=int, default=12, help="decoder layers")
+    g.add_argument("--num-heads", type=int, default=12, help="attention heads")
+    g.add_argument("--num-kv-heads", type=int, default=4, help="KV heads (grouped-query attention)")
+    g.add_argument("--intermediate-size", type=int, default=2048, help="MLP width")
+    g.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV dtype for every system")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + " Prints a markdown table; writes a JSON result file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("model (random weights, built once into bench/.cache/)")
-    g.add_argument("--model", help="use this existing HF checkpoint directory instead of building one")
-    g.add_argument("--hidden-size", type=int, default=768)
-    g.add_argument("--num-layers", type=int, default=12)
-    g.add_argument("--num-heads", type=int, default=12)
-    g.add_argument("--num-kv-heads", type=int, default=4)
-    g.add_argument("--intermediate-size", type=int, default=2048)
-    g.add_argument("--vocab-size", type=int, default=32000)
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV dtype for every system")
+    add_model_args(p)
 
     g = p.add_argument_group("workload (seeded; greedy; ignore_eos: every request generates exactly its length)")
     g.add_argument("--num-requests", type=int, default=64)
@@ -735,18 +757,7 @@ def summarize(args, model_path, config, workload, bpt, max_model_len, runs, smal
         "argv": sys.argv,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(args.threads),
-        "model": {
-            "path": str(model_path),
-            "arch": getattr(config, "model_type", None),
-            "num_parameters": count_parameters(model_path),
-            "hidden_size": config.hidden_size,
-            "num_hidden_layers": config.num_hidden_layers,
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-            "intermediate_size": getattr(config, "intermediate_size", None),
-            "vocab_size": config.vocab_size,
-            "dtype": args.dtype,
-        },
+        "model": model_info(model_path, config, args.dtype),
         "workload": {
             "num_requests": len(workload.prompts),
             "prompt_len_range": [args.min_prompt, args.max_prompt],
