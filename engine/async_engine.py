@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
@@ -37,10 +37,7 @@ class ServingCounters:
     """Request-level counters kept on the event-loop side (exported as metrics)."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    requests_finished: dict[str, int] | None = None
-
-    def __post_init__(self) -> None:
-        self.requests_finished = {}
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
 
 class AsyncEngine:
