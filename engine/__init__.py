@@ -1,7 +1,23 @@
-"""pagefleet.engine: one inference replica (paged KV cache, continuous batching)."""
+"""pagefleet.engine: one inference replica (paged KV cache, continuous batching).
 
-from pagefleet.engine.llm import LLM
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
+The public names load lazily: the router imports the engine's pure pieces
+(block hashing, tokenization, OpenAI schemas) and must not pay for torch."""
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "pagefleet.engine.llm",
+    "CompletionOutput": "pagefleet.engine.outputs",
+    "RequestOutput": "pagefleet.engine.outputs",
+    "SamplingParams": "pagefleet.engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagefleet.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

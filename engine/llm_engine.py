@@ -21,11 +21,9 @@ from pagefleet.engine.engine_core import EngineCore, EngineStats
 from pagefleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.tokenization import encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
 
 def resolve_model_dir(model: str) -> Path:
     path = Path(model).expanduser()
@@ -67,11 +65,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model_dir = resolve_model_dir(config.model)
         hf_config = json.loads((model_dir / "config.json").read_text())
-        self.tokenizer = None
-        if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         self.core = EngineCore(config, model_dir, hf_config)
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.seed = config.seed
@@ -81,10 +75,8 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
-        return self.tokenizer.encode(prompt)
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError naming the bad field; return the prompt's token ids."""

@@ -26,6 +26,7 @@ from pagefleet.engine.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.tokenization import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +163,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
         out = []
         for p in prompts:
             if isinstance(p, str) and p and not add_special_tokens:
-                if engine.tokenizer is None:
-                    raise ValueError("messages: this model has no tokenizer")
-                p = engine.tokenizer.encode(p, add_special_tokens=False)
+                p = engine.encode(p, chat=True)
             ids = engine.validate(p, SamplingParams())
             params = params_of(len(ids))
             if len(ids) + params.max_tokens > limit:
@@ -335,14 +334,8 @@ def build_app(engine_factory: Callable[[], LLMEngine], model_name: str, max_queu
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         ae = ready_engine()
         check_model(body.model)
-        tok = ae.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:  # template errors (e.g. unsupported role order) are the client's input
-            raise APIError(400, f"messages: chat template failed: {e}", param="messages") from None
+        text = render_chat(ae.engine.tokenizer, messages, body.add_generation_prompt)
         limit = ae.engine.core.max_model_len
         jobs = prepare(ae, [text], lambda plen: body.to_sampling_params(default_max=max(limit - plen, 1)),
                        add_special_tokens=False)
