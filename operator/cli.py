@@ -48,6 +48,71 @@ def _engine(args: argparse.Namespace) -> int:
                  shutdown_timeout=args.shutdown_timeout)
 
 
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from pagefleet.engine.tokenization import load_tokenizer
+    from pagefleet.router.app import Router, RouterSettings, build_app
+    from pagefleet.router.policy import EjectionParams, Policy, ScoringParams
+    from pagefleet.router.pool import Pool, parse_pool_spec
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.pool:
+        raise ValueError("--pool: at least one pool is required, e.g. --pool main=my-model:http://127.0.0.1:8001")
+    specs = [parse_pool_spec(p) for p in args.pool]
+    names = [name for name, _, _ in specs]
+    tokenizers = dict(_pairs(args.tokenizer, "--tokenizer", names))
+    services = dict(_pairs(args.k8s_service, "--k8s-service", names))
+    scoring = ScoringParams(prefix_weight=args.prefix_weight, prefix_weight_per_load=args.prefix_weight_per_load,
+                            load_cap_ratio=args.load_cap_ratio,
+                            load_cap_slack=args.load_cap_slack)
+    ejection = EjectionParams(failures_to_eject=args.eject_after, base_seconds=args.eject_seconds)
+    pools, watchers = [], []
+    for name, model, urls in specs:
+        if not urls and name not in services:
+            raise ValueError(f"--pool {name}: give replica URLs or --k8s-service {name}=NAMESPACE/SERVICE")
+        tok_path = tokenizers.get(name)
+        tokenizer = load_tokenizer(tok_path) if tok_path else None
+        if tok_path and tokenizer is None:
+            raise ValueError(f"--tokenizer {name}={tok_path}: no tokenizer files there")
+        if tokenizer is None and args.policy == "prefix":
+            logging.warning("pool %s has no --tokenizer: prefix scoring applies to token-id prompts only", name)
+        pools.append(Pool(name, model, tokenizer=tokenizer, policy=Policy(args.policy), scoring=scoring,
+                          ejection=ejection))
+    router = Router(pools, RouterSettings(max_attempts=args.max_attempts, scrape_interval=args.scrape_interval,
+                                          upstream_timeout=args.upstream_timeout or None,
+                                          session_header=args.session_header))
+    for pool, (name, _, urls) in zip(pools, specs, strict=True):
+        if urls:
+            router.set_urls(pool, urls)
+        if name in services:
+            from pagefleet.router.discovery import EndpointSliceWatcher, ServiceRef
+
+            watcher = EndpointSliceWatcher(ServiceRef.parse(services[name]),
+                                           lambda found, pool=pool: router.set_urls(pool, found))
+            watchers.append(watcher.run)
+    uvicorn.run(build_app(router, watchers), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
+def _pairs(values: list[str], flag: str, pools: list[str]) -> list[tuple[str, str]]:
+    """`[POOL=]VALUE` options; POOL may be left out when there is one pool."""
+    out = []
+    for v in values:
+        pool, sep, value = v.partition("=")
+        if not sep:
+            if len(pools) != 1:
+                raise ValueError(f"{flag} {v!r}: name the pool (POOL=...) when there are several")
+            pool, value = pools[0], v
+        if pool not in pools:
+            raise ValueError(f"{flag} {v!r}: no pool named {pool!r} (pools: {', '.join(pools)})")
+        out.append((pool, value))
+    return out
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="directory with an HF config.json, *.safetensors weights and a tokenizer")
@@ -87,6 +152,49 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before exiting (default 30)")
     eng.set_defaults(func=_engine)
+
+    rt = sub.add_parser(
+        "router", help="route OpenAI requests across engine replicas (prefix- and load-aware)",
+        description="Serve the OpenAI API in front of one or more pools of engine replicas. The request's "
+                    "`model` picks the pool; the policy picks the replica. Streams pass through untouched; a "
+                    "replica that fails before answering is retried on another one and ejected for a while "
+                    "after repeated failures. /health is 200 when every pool has a ready replica.",
+        epilog="example: pagefleet router --pool main=qwen:http://127.0.0.1:8001,http://127.0.0.1:8002 "
+               "--tokenizer main=/models/qwen")
+    rt.add_argument("--pool", action="append", default=[], metavar="NAME=MODEL[:URL,URL...]",
+                    help="a pool serving MODEL (the name clients send) at these replica URLs; repeatable")
+    rt.add_argument("--k8s-service", action="append", default=[], metavar="[POOL=]NAMESPACE/NAME[:PORT]",
+                    help="discover the pool's replicas from the ready endpoints of this Kubernetes Service "
+                         "(EndpointSlice watch); PORT is a port number or name (default: the first port)")
+    rt.add_argument("--tokenizer", action="append", default=[], metavar="[POOL=]PATH",
+                    help="model directory whose tokenizer the pool's engines use; needed for prefix-aware "
+                         "routing of text prompts")
+    rt.add_argument("--policy", default="prefix", choices=["prefix", "least-load", "round-robin", "session"],
+                    help="prefix: cache affinity capped by load (default); least-load; round-robin; session: "
+                         "sticky by the --session-header value, least-load otherwise")
+    rt.add_argument("--prefix-weight", type=float, default=3.0,
+                    help="requests of queue a full prefix match is worth on an idle pool (default 3)")
+    rt.add_argument("--prefix-weight-per-load", type=float, default=0.5,
+                    help="extra worth of a full match per request of mean load (default 0.5)")
+    rt.add_argument("--load-cap-ratio", type=float, default=1.5,
+                    help="no affinity for a replica whose load would exceed ratio * mean + slack (default 1.5)")
+    rt.add_argument("--load-cap-slack", type=float, default=2.0, help="see --load-cap-ratio (default 2)")
+    rt.add_argument("--session-header", default="x-session-id", help="header naming the session (default "
+                                                                      "x-session-id)")
+    rt.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request (default 3)")
+    rt.add_argument("--eject-after", type=int, default=3,
+                    help="consecutive failures that eject a replica (default 3)")
+    rt.add_argument("--eject-seconds", type=float, default=2.0,
+                    help="first ejection period; doubles while failures continue, up to 60 s (default 2)")
+    rt.add_argument("--scrape-interval", type=float, default=1.0,
+                    help="seconds between scrapes of each replica's /metrics (default 1)")
+    rt.add_argument("--upstream-timeout", type=float, default=600.0,
+                    help="seconds a replica may stay silent mid-request; 0 = no limit (default 600)")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    rt.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    rt.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds SIGTERM waits for open requests before exiting (default 30)")
+    rt.set_defaults(func=_router)
 
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts",
                          description="Load a model into one in-process engine and print a completion for "

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import LiveServer, assert_error, free_port, raw_post, sse_events, wait_until
 from transformers import AutoTokenizer
 
 from pagefleet.engine import LLM, SamplingParams
@@ -45,114 +42,9 @@ def engine_config(model_dir: Path, **overrides) -> EngineConfig:
     return EngineConfig(**kw)
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-class LiveServer:
-    """uvicorn in a background thread on a socket bound before start (no port race).
-    Signal handlers are not installed off the main thread; `stop()` ends it."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name=f"uvicorn-{self.port}")
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-
-    def start(self, ready: bool = True, timeout: float = 120) -> LiveServer:
-        self.thread.start()
-        try:
-            wait_until(lambda: self.server.started or not self.thread.is_alive(), 30, "uvicorn to start")
-            assert self.server.started, "uvicorn failed to start"
-            if ready:
-                self.wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        wait_until(lambda: self.http.get("/health").status_code == 200, timeout, "/health to return 200",
-                   interval=0.1)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.http.close()
-        self.sock.close()
-        assert not self.thread.is_alive(), "server thread did not stop"
-
-    # ---- small helpers ---------------------------------------------------------------
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        """Samples of /metrics as {(name, sorted labels): value}."""
-        r = self.http.get("/metrics")
-        assert r.status_code == 200
-        out = {}
-        for fam in text_string_to_metric_families(r.text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def completion(self, **body) -> httpx.Response:
-        return self.http.post("/v1/completions", json={"model": MODEL, **body})
-
-
 def metric(samples: dict, name: str, **labels) -> float:
     key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
     return samples.get(key, 0.0)
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
-    """Parse `data: ...` lines of an SSE stream into JSON objects ('[DONE]' stays a string)."""
-    for line in lines:
-        if not line.startswith("data: "):
-            assert line == "", f"unexpected SSE line {line!r}"
-            continue
-        data = line[len("data: "):]
-        yield data if data == "[DONE]" else json.loads(data)
-
-
-def raw_post(port: int, path: str, body: dict) -> socket.socket:
-    """Send a request over a bare socket, without reading the answer: closing the socket is
-    a client that goes away at an exact moment."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None,
-                 err_type: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    if err_type is not None:
-        assert err["type"] == err_type, err
-    return err
 
 
 # ---- fixtures -----------------------------------------------------------------------------
@@ -785,16 +677,10 @@ def test_fuzz_openapi_no_server_errors(fuzz_server: LiveServer) -> None:
 # ---- SIGTERM drain (the CLI in a subprocess) ----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_streams(tiny_llama: Path, tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("pagefleet")
-    port = _free_port()
+    port = free_port()
     shutdown_timeout = 30
     log = (tmp_path / "engine.log").open("wb")
     proc = subprocess.Popen(
