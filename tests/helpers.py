@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -123,3 +130,65 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Proc:
+    """A `pagefleet` CLI subcommand in a subprocess, logging to a file."""
+
+    def __init__(self, args: list[str], log_path, port: int) -> None:
+        exe = Path(sys.executable).with_name("pagefleet")
+        self.port, self.url, self.log_path = port, f"http://127.0.0.1:{port}", log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([str(exe), *args, "--port", str(port)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return open(self.log_path, errors="replace").read()
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        wait_until(lambda: self.healthy() or self.proc.poll() is not None, timeout, f"{self.url} to be healthy",
+                   interval=0.2)
+        assert self.proc.poll() is None, self.log()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def spawn_engine(model_dir, log_path, model: str = "tiny", *extra: str) -> Proc:
+    return Proc(["engine", "--model", str(model_dir), "--served-model-name", model, "--kv-cache-memory", "16MiB",
+                 "--max-model-len", "512", "--dtype", "float32", "--threads", "1", *extra], log_path, free_port())
+
+
+def scripted_upstream(chunks: list[bytes], gap: float, status: int = 200) -> FastAPI:
+    """A fake engine replica: ready, idle, and answering /v1/completions with `chunks`."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            'pagefleet:num_requests_running{model_name="m"} 0\npagefleet:num_requests_waiting{model_name="m"} 0\n'
+            'pagefleet:kv_cache_usage_perc{model_name="m"} 0\n'
+            'pagefleet:cache_config_info{block_size="16",model_name="m",num_blocks="10"} 1\n')
+
+    @app.post("/v1/completions")
+    async def completions():
+        async def gen():
+            for c in chunks:
+                yield c
+                await asyncio.sleep(gap)
+        return StreamingResponse(gen(), status_code=status, media_type="text/event-stream")
+
+    return app
