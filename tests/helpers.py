@@ -37,7 +37,9 @@ class LiveServer:
 
     def __init__(self, app, model: str = "tiny") -> None:
         self.app, self.model = app, model
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets of a TCP-proto listener,
+        # and Nagle + delayed ACK would add 40 ms to every multi-write response.
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
