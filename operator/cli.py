@@ -63,16 +63,18 @@ def _router(args: argparse.Namespace) -> int:
         raise ValueError("--pool: at least one pool is required, e.g. --pool main=my-model:http://127.0.0.1:8001")
     specs = [parse_pool_spec(p) for p in args.pool]
     names = [name for name, _, _ in specs]
-    tokenizers = dict(_pairs(args.tokenizer, "--tokenizer", names))
-    services = dict(_pairs(args.k8s_service, "--k8s-service", names))
+    if len(set(names)) != len(names):
+        raise ValueError("--pool: pool names must be unique")
+    tokenizers = _pairs(args.tokenizer, "--tokenizer", names)
+    services = _pairs(args.k8s_service, "--k8s-service", names)
     scoring = ScoringParams(prefix_weight=args.prefix_weight, prefix_weight_per_load=args.prefix_weight_per_load,
                             load_cap_ratio=args.load_cap_ratio,
                             load_cap_slack=args.load_cap_slack)
     ejection = EjectionParams(failures_to_eject=args.eject_after, base_seconds=args.eject_seconds)
     pools, watchers = [], []
     for name, model, urls in specs:
-        if not urls and name not in services:
-            raise ValueError(f"--pool {name}: give replica URLs or --k8s-service {name}=NAMESPACE/SERVICE")
+        if bool(urls) == (name in services):
+            raise ValueError(f"--pool {name}: give either replica URLs or --k8s-service {name}=NAMESPACE/SERVICE")
         tok_path = tokenizers.get(name)
         tokenizer = load_tokenizer(tok_path) if tok_path else None
         if tok_path and tokenizer is None:
@@ -84,12 +86,23 @@ def _router(args: argparse.Namespace) -> int:
     router = Router(pools, RouterSettings(max_attempts=args.max_attempts, scrape_interval=args.scrape_interval,
                                           upstream_timeout=args.upstream_timeout or None,
                                           session_header=args.session_header))
+    if services:
+        import asyncio
+
+        from pagefleet.router.discovery import EndpointSliceWatcher, ServiceRef, default_api_client
+
+        async def check_credentials() -> None:
+            await (await default_api_client()).close()
+
+        try:  # fail at start, not as a silently dead watch task
+            asyncio.run(check_credentials())
+        except Exception as e:
+            raise ValueError(f"--k8s-service: cannot reach the Kubernetes API (no in-cluster service account "
+                             f"and no usable kubeconfig): {e}") from None
     for pool, (name, _, urls) in zip(pools, specs, strict=True):
         if urls:
             router.set_urls(pool, urls)
         if name in services:
-            from pagefleet.router.discovery import EndpointSliceWatcher, ServiceRef
-
             watcher = EndpointSliceWatcher(ServiceRef.parse(services[name]),
                                            lambda found, pool=pool: router.set_urls(pool, found))
             watchers.append(watcher.run)
@@ -98,18 +111,18 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pairs(values: list[str], flag: str, pools: list[str]) -> list[tuple[str, str]]:
-    """`[POOL=]VALUE` options; POOL may be left out when there is one pool."""
-    out = []
+def _pairs(values: list[str], flag: str, pools: list[str]) -> dict[str, str]:
+    """`[POOL=]VALUE` options, at most one per pool; POOL may be left out when there is one pool."""
+    out: dict[str, str] = {}
     for v in values:
         pool, sep, value = v.partition("=")
-        if not sep:
+        if not (sep and pool in pools):
             if len(pools) != 1:
-                raise ValueError(f"{flag} {v!r}: name the pool (POOL=...) when there are several")
+                raise ValueError(f"{flag} {v!r}: start with the pool's name (POOL=...); pools: {', '.join(pools)}")
             pool, value = pools[0], v
-        if pool not in pools:
-            raise ValueError(f"{flag} {v!r}: no pool named {pool!r} (pools: {', '.join(pools)})")
-        out.append((pool, value))
+        if pool in out:
+            raise ValueError(f"{flag}: given twice for pool {pool!r}")
+        out[pool] = value
     return out
 
 

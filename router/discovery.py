@@ -101,7 +101,7 @@ def ready_endpoint_urls(slices: Iterable[Mapping], port: int | str | None, schem
     return urls
 
 
-async def _default_api_client() -> client.ApiClient:
+async def default_api_client() -> client.ApiClient:
     # A configuration of our own, so that loading it does not change the process-wide default.
     configuration = client.Configuration()
     try:
@@ -145,7 +145,7 @@ class EndpointSliceWatcher:
     ) -> None:
         self.ref = ref
         self._on_change = on_change
-        self._api_client_factory = api_client_factory or _default_api_client
+        self._api_client_factory = api_client_factory or default_api_client
         self._resync_seconds = resync_seconds
         self._backoff_seconds = backoff_seconds
         self._slices: dict[str, Mapping] = {}

@@ -29,6 +29,7 @@ class Replica:
     health: Health = field(default_factory=Health)
     in_flight: int = 0
     snapshot: EngineSnapshot | None = None  # None until a scrape found its engine up
+    scrape_timeouts: int = 0  # consecutive
 
     def candidate(self, match: float) -> Candidate:
         s = self.snapshot
@@ -39,8 +40,11 @@ class Replica:
 @dataclass
 class Plan:
     order: list[Replica]
-    hashes: list[int]          # the prompt's full-block hashes (empty when not computed)
-    match: float               # prefix match fraction of the first choice
+    hashes: list[int]              # the prompt's full-block hashes (empty when not computed)
+    matches: dict[str, float]      # prefix match fraction per replica URL
+
+    def match_of(self, replica: Replica) -> float:
+        return self.matches.get(replica.url, 0.0)
 
 
 class Pool:
@@ -96,6 +100,11 @@ class Pool:
 
     # ---- decisions -------------------------------------------------------------------------------
 
+    def needs_tokenizing(self, body: dict, chat: bool) -> bool:
+        """Whether routing this request runs the tokenizer (the expensive part of a decision)."""
+        return (self.policy is Policy.PREFIX and self.block_size is not None and self.tokenizer is not None
+                and (chat or not isinstance(body.get("prompt"), list)))
+
     def routing_hashes(self, body: dict, chat: bool) -> list[int]:
         """Block hashes the engine will compute for this request's (first) prompt; empty
         when the router cannot predict them. Malformed input is not the router's to
@@ -118,19 +127,22 @@ class Pool:
         except Exception:
             return []
 
-    def plan(self, body: dict, chat: bool, session: str | None, now: float) -> Plan:
+    def plan(self, body: dict, chat: bool, session: str | None, now: float,
+             hashes: list[int] | None = None) -> Plan:
+        """The replicas to try, in order. `hashes` may be passed in when the caller
+        already computed them (off the event loop, for big prompts)."""
         avail = self.available(now)
-        hashes = self.routing_hashes(body, chat) if self.policy is Policy.PREFIX and avail else []
+        if hashes is None:
+            hashes = self.routing_hashes(body, chat) if self.policy is Policy.PREFIX and avail else []
         matches = {r.url: (r.index.match(hashes) / len(hashes) if hashes else 0.0) for r in avail}
         sticky = self._sessions.get(session) if session else None
         names = rank(self.policy, [r.candidate(matches[r.url]) for r in avail], self.scoring, turn=self._turn,
                      sticky=sticky)
         self._turn += 1
-        order = [self.replicas[n] for n in names]
-        return Plan(order, hashes, matches[order[0].url] if order else 0.0)
+        return Plan([self.replicas[n] for n in names], hashes, matches)
 
     def routed(self, replica: Replica, plan: Plan, session: str | None) -> None:
-        """A replica accepted the request: remember what it now caches and who serves the session."""
+        """The request goes to `replica`: remember what it will cache and who serves the session."""
         if plan.hashes:
             replica.index.add(plan.hashes)
         if session:

@@ -1,11 +1,10 @@
 """Load signals from an engine replica's Prometheus /metrics (the metrics contract
-in DESIGN.md). Parsing is pure; `scrape` is the thin I/O shell."""
+in DESIGN.md), parsed purely; the router's scrape loop does the I/O."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -41,13 +40,3 @@ def parse_engine_metrics(text: str) -> EngineSnapshot | None:
                           prefix_cache_queries=values.get("prefix_cache_queries_total", 0.0),
                           prefix_cache_hits=values.get("prefix_cache_hits_total", 0.0))
 
-
-async def scrape(client: httpx.AsyncClient, url: str, timeout: float) -> EngineSnapshot | None:
-    """The replica's load, or None while it is not ready (loading, or draining after
-    SIGTERM: its /health says 503 while /metrics still looks normal). Raises
-    httpx.HTTPError when the replica does not answer (counts as a failure)."""
-    if (await client.get(f"{url}/health", timeout=timeout)).status_code != 200:
-        return None
-    resp = await client.get(f"{url}/metrics", timeout=timeout)
-    resp.raise_for_status()
-    return parse_engine_metrics(resp.text)

@@ -170,8 +170,11 @@ def spawn_engine(model_dir, log_path, model: str = "tiny", *extra: str) -> Proc:
                  "--max-model-len", "512", "--dtype", "float32", "--threads", "1", *extra], log_path, free_port())
 
 
-def scripted_upstream(chunks: list[bytes], gap: float, status: int = 200) -> FastAPI:
-    """A fake engine replica: ready, idle, and answering /v1/completions with `chunks`."""
+def scripted_upstream(chunks: list[bytes], gap: float = 0.0, status: int = 200,
+                      gate: threading.Event | None = None, closed: threading.Event | None = None) -> FastAPI:
+    """A fake engine replica: ready, idle, and answering /v1/completions with `chunks`
+    (`gap` seconds apart; after the first chunk it waits for `gate` if given). `closed`
+    is set when the response generator ends for any reason (e.g. the client left)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -188,9 +191,15 @@ def scripted_upstream(chunks: list[bytes], gap: float, status: int = 200) -> Fas
     @app.post("/v1/completions")
     async def completions():
         async def gen():
-            for c in chunks:
-                yield c
-                await asyncio.sleep(gap)
+            try:
+                for i, c in enumerate(chunks):
+                    yield c
+                    if i == 0 and gate is not None:
+                        await asyncio.to_thread(gate.wait, 30)
+                    await asyncio.sleep(gap)
+            finally:
+                if closed is not None:
+                    closed.set()
         return StreamingResponse(gen(), status_code=status, media_type="text/event-stream")
 
     return app

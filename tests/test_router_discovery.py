@@ -340,7 +340,7 @@ def test_discovered_replicas_are_routed_to_and_removed_ones_are_not():
             watcher = EndpointSliceWatcher(ServiceRef(NS, "engine", "http"), lambda urls: router.set_urls(pool, urls),
                                            api_client_factory=api_client_factory, backoff_seconds=0.01)
             app = build_app(router, [watcher.run])
-            async with app.router.lifespan_context(app), httpx.AsyncClient(
+            async with app.api.router.lifespan_context(app.api), httpx.AsyncClient(
                     transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
 
                 async def served_by(n: int) -> set[str]:

@@ -235,12 +235,12 @@ def test_pool_membership_readiness_and_routing_memory() -> None:
     assert pool.block_size == 4
     body = {"model": "tiny", "prompt": list(range(1, 18))}  # 4 full blocks
     first = pool.plan(body, False, None, 0.0)
-    assert len(first.hashes) == 4 and first.match == 0.0
+    assert len(first.hashes) == 4 and first.match_of(first.order[0]) == 0.0
     pool.routed(first.order[0], first, None)
     again = pool.plan(body, False, None, 0.0)
-    assert again.order[0] is first.order[0] and again.match == 1.0
+    assert again.order[0] is first.order[0] and again.match_of(again.order[0]) == 1.0
     salted = pool.plan({**body, "cache_salt": "tenant-b"}, False, None, 0.0)
-    assert salted.hashes != first.hashes and salted.match == 0.0  # salts never share blocks
+    assert salted.hashes != first.hashes and max(salted.matches.values()) == 0.0  # salts never share blocks
     # a replica that left keeps no state; one that stayed keeps its index
     pool.set_urls(["http://b"])
     assert list(pool.replicas) == ["http://b"]
@@ -307,3 +307,25 @@ def test_router_hashes_are_the_engines(tiny_llama: Path) -> None:
         cached = set(engine.core.kv.pool.cached)
         assert set(predicted) <= cached, f"case {i}: the engine did not cache the predicted blocks"
     assert pool.routing_hashes(cases[0][0], False) != pool.routing_hashes(cases[1][0], False)
+
+
+def test_burst_sharing_a_prefix_lands_together_until_the_cap() -> None:
+    """Requests of a burst are recorded as routed when sent, not when answered: the
+    second request of a burst already sees the first one's prefix (and its load)."""
+    pool = Pool("main", "tiny")
+    pool.set_urls(["http://a", "http://b", "http://c", "http://d"])
+    for u in pool.replicas:
+        pool.observe(u, _snap())
+    body = {"prompt": list(range(1, 65))}  # 16 full blocks, nothing cached yet
+    chosen = []
+    for _ in range(5):
+        plan = pool.plan(body, False, None, 0.0)
+        r = plan.order[0]
+        pool.routed(r, plan, None)
+        r.in_flight += 1  # still running: the burst arrives before anything finishes
+        chosen.append(r.url)
+    # the 2nd joins the 1st (load 1 + 1 <= cap 1.5 * 0.25 + 2); the 3rd would not fit under
+    # the cap (2 + 1 > 1.5 * 0.5 + 2), so it spills, and the 4th follows the prefix's new copy
+    assert chosen[1] == chosen[0]
+    assert chosen[2] != chosen[0]
+    assert chosen[3] == chosen[2]
