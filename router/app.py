@@ -86,23 +86,17 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(receive: Receive, aw: Awaitable):
-    """Await `aw` unless the client disconnects first; then cancel it (closing the
-    upstream connection is what tells the engine to abort the request)."""
+async def _unless_disconnected(gone: asyncio.Future, aw: Awaitable):
+    """Await `aw` unless the client disconnects first (`gone` completes); then cancel it
+    (closing the upstream connection is what tells the engine to abort the request)."""
     task = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, asyncio.TimeoutError):
-            (await task).close()
-        raise _ClientGone
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, asyncio.TimeoutError):
+        (await task).close()
+    raise _ClientGone
 
 
 async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
@@ -243,9 +237,17 @@ class Router:
         self.metrics.decision_time.labels(pool.name).observe(time.perf_counter() - t0)
         query = scope.get("query_string", b"")
         path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        await self._forward(receive, send, pool, plan, path, raw, headers, session)
+        # One watcher of the client's connection for the request's whole life (waiting for
+        # the replica, then relaying): its completion means the client left.
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await self._forward(gone, send, pool, plan, path, raw, headers, session)
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
 
-    async def _forward(self, receive: Receive, send: Send, pool: Pool, plan: Plan, path: str, raw: bytes,
+    async def _forward(self, gone: asyncio.Future, send: Send, pool: Pool, plan: Plan, path: str, raw: bytes,
                        headers: list[tuple[str, str]], session: str | None) -> None:
         assert self.session is not None
         last_error = "no ready replica"
@@ -258,7 +260,7 @@ class Router:
             pool.routed(replica, plan, session)
             t0 = time.perf_counter()
             try:
-                resp = await _unless_disconnected(receive, self.session.post(
+                resp = await _unless_disconnected(gone, self.session.post(
                     replica.url + path, data=raw, headers=headers, timeout=self._request_timeout))
             except (TimeoutError, aiohttp.ClientError) as e:
                 self._close(pool, replica)
@@ -286,7 +288,7 @@ class Router:
                 continue
             if status < 400:
                 self.metrics.prefix_match.labels(pool.name).observe(plan.match_of(replica))
-            outcome = await self._relay(resp, replica, receive, send)
+            outcome = await self._relay(resp, replica, gone, send)
             self._close(pool, replica)
             if outcome == "midstream_error":
                 self._failed(pool, replica)
@@ -298,7 +300,8 @@ class Router:
             f"no replica of pool {pool.name!r} could take the request ({last_error}); retry in {retry}s",
             "service_unavailable", code="no_replica_available"), {"Retry-After": str(retry)})
 
-    async def _relay(self, resp: aiohttp.ClientResponse, replica: Replica, receive: Receive, send: Send) -> str:
+    async def _relay(self, resp: aiohttp.ClientResponse, replica: Replica, gone: asyncio.Future,
+                     send: Send) -> str:
         """Pass the response through as it arrives, racing the client's disconnect: a client
         that goes away closes the upstream connection at once (the engine then aborts the
         request and frees its blocks), not when the next chunk fails to send."""
@@ -311,13 +314,11 @@ class Router:
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             relay = asyncio.ensure_future(self._pump(resp, replica, send, sse))
-            watch = asyncio.ensure_future(_wait_disconnect(receive))
             try:
-                await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in (relay, watch):
-                    t.cancel()
-                await asyncio.gather(relay, watch, return_exceptions=True)
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
             if not relay.done() or relay.cancelled():
                 return "client_disconnected"
             result = relay.result()

@@ -106,6 +106,7 @@ def test_openai_client_through_the_router(cluster: Cluster) -> None:
 
 def test_router_errors_health_and_metrics(cluster: Cluster) -> None:
     url = cluster.router.url
+    assert _post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
     assert_error(_post(url, "/v1/completions", {"model": "nope", "prompt": "x"}), 404, param="model",
                  code="model_not_found")
     assert_error(httpx.post(url + "/v1/completions", content=b"{not json", timeout=10), 400)
@@ -116,6 +117,8 @@ def test_router_errors_health_and_metrics(cluster: Cluster) -> None:
     assert h.status_code == 200 and h.json()["pools"]["main"]["ready"] == 3
     text = httpx.get(url + "/metrics", timeout=10).text
     assert 'pagefleet:router_requests_total{outcome="ok",pool="main"' in text
+    assert 'pagefleet:router_requests_total{outcome="client_error",pool="main"' in text
+    assert 'pagefleet:router_requests_total{outcome="unknown_model",pool="",replica=""} ' in text
     assert 'pagefleet:router_replicas{pool="main",state="ready"} 3.0' in text
     assert "pagefleet:router_decision_seconds_bucket" in text
     assert "pagefleet:router_prefix_match_fraction_bucket" in text
@@ -317,3 +320,25 @@ def test_sigkill_mid_run_loses_no_request(tiny_llama: Path, tmp_path: Path) -> N
                    10, "the router to drop the dead replica")
     finally:
         c.stop()
+
+
+def test_metrics_parser_agrees_with_prometheus_client_on_a_real_engine(cluster: Cluster) -> None:
+    """The router's line parser reads only what it needs; on a live engine's exposition
+    (after traffic, histograms filled) it must agree with the reference parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.router.scrape import parse_engine_metrics
+
+    _post(cluster.engines[2].url, "/v1/completions", {"model": MODEL, "prompt": "warm " * 40, "max_tokens": 4})
+    _post(cluster.engines[2].url, "/v1/completions", {"model": MODEL, "prompt": "warm " * 40, "max_tokens": 4})
+    text = httpx.get(cluster.engines[2].url + "/metrics", timeout=10).text
+    ref = {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples}
+    snap = parse_engine_metrics(text)
+    assert snap is not None
+    assert snap.running == ref["pagefleet:num_requests_running"].value
+    assert snap.waiting == ref["pagefleet:num_requests_waiting"].value
+    assert snap.kv_usage == ref["pagefleet:kv_cache_usage_perc"].value
+    assert snap.prefix_cache_queries == ref["pagefleet:prefix_cache_queries_total"].value > 0
+    assert snap.prefix_cache_hits == ref["pagefleet:prefix_cache_hits_total"].value > 0
+    info = ref["pagefleet:cache_config_info"].labels
+    assert (snap.block_size, snap.num_blocks) == (int(info["block_size"]), int(info["num_blocks"]))
