@@ -126,6 +126,13 @@ def _pairs(values: list[str], flag: str, pools: list[str]) -> dict[str, str]:
     return out
 
 
+def _crd(args: argparse.Namespace) -> int:
+    from pagefleet.operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="directory with an HF config.json, *.safetensors weights and a tokenizer")
@@ -208,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds SIGTERM waits for open requests before exiting (default 30)")
     rt.set_defaults(func=_router)
+
+    crd = sub.add_parser("crd", help="print the InferenceService CustomResourceDefinition (YAML)",
+                         description="Print the CRD generated from the spec model (the same as "
+                                     "crds/inferenceservice.yaml). Install: pagefleet crd | kubectl apply -f -")
+    crd.set_defaults(func=_crd)
 
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts",
                          description="Load a model into one in-process engine and print a completion for "
