@@ -18,19 +18,13 @@ import torch
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.engine.engine_core import EngineCore, EngineStats
+from pagefleet.engine.model_store import resolve_model
 from pagefleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.tokenization import encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-def resolve_model_dir(model: str) -> Path:
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {model!r} is not a directory with a config.json and safetensors weights")
-    return path
-
 
 def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> tuple[int, ...]:
     """generation_config.json decides (as in HF generate); config and tokenizer are fallbacks."""
@@ -63,7 +57,7 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model(config.model)
         hf_config = json.loads((model_dir / "config.json").read_text())
         self.tokenizer = load_tokenizer(model_dir)
         self.core = EngineCore(config, model_dir, hf_config)

