@@ -53,6 +53,7 @@ def _router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from pagefleet.engine.model_store import resolve_model
     from pagefleet.engine.tokenization import load_tokenizer
     from pagefleet.router.app import Router, RouterSettings, build_app
     from pagefleet.router.policy import EjectionParams, Policy, ScoringParams
@@ -67,16 +68,18 @@ def _router(args: argparse.Namespace) -> int:
         raise ValueError("--pool: pool names must be unique")
     tokenizers = _pairs(args.tokenizer, "--tokenizer", names)
     services = _pairs(args.k8s_service, "--k8s-service", names)
+    files = _pairs(args.endpoints_file, "--endpoints-file", names)
     scoring = ScoringParams(prefix_weight=args.prefix_weight, prefix_weight_per_load=args.prefix_weight_per_load,
                             load_cap_ratio=args.load_cap_ratio,
                             load_cap_slack=args.load_cap_slack)
     ejection = EjectionParams(failures_to_eject=args.eject_after, base_seconds=args.eject_seconds)
     pools, watchers = [], []
     for name, model, urls in specs:
-        if bool(urls) == (name in services):
-            raise ValueError(f"--pool {name}: give either replica URLs or --k8s-service {name}=NAMESPACE/SERVICE")
+        if bool(urls) + (name in services) + (name in files) != 1:
+            raise ValueError(f"--pool {name}: give exactly one of replica URLs, --k8s-service {name}=NAMESPACE/SERVICE "
+                             f"or --endpoints-file {name}=PATH")
         tok_path = tokenizers.get(name)
-        tokenizer = load_tokenizer(tok_path) if tok_path else None
+        tokenizer = load_tokenizer(resolve_model(tok_path, pull_missing=False)) if tok_path else None
         if tok_path and tokenizer is None:
             raise ValueError(f"--tokenizer {name}={tok_path}: no tokenizer files there")
         if tokenizer is None and args.policy == "prefix":
@@ -102,6 +105,11 @@ def _router(args: argparse.Namespace) -> int:
     for pool, (name, _, urls) in zip(pools, specs, strict=True):
         if urls:
             router.set_urls(pool, urls)
+        if name in files:
+            from pagefleet.router.discovery import EndpointsFileWatcher
+
+            file_watcher = EndpointsFileWatcher(files[name], lambda found, pool=pool: router.set_urls(pool, found))
+            watchers.append(file_watcher.run)
         if name in services:
             watcher = EndpointSliceWatcher(ServiceRef.parse(services[name]),
                                            lambda found, pool=pool: router.set_urls(pool, found))
@@ -151,6 +159,16 @@ def _models(args: argparse.Namespace) -> int:
                   f"{r['upstream']} ({r['license']})")
         print(f"cache: {model_store.cache_dir(args.cache_dir)}")
     return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import logging
+
+    from pagefleet.operator.local import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health/metrics poll otherwise
+    return run(args.file, args.host, args.port, args.replicas, args.tick)
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -214,9 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--k8s-service", action="append", default=[], metavar="[POOL=]NAMESPACE/NAME[:PORT]",
                     help="discover the pool's replicas from the ready endpoints of this Kubernetes Service "
                          "(EndpointSlice watch); PORT is a port number or name (default: the first port)")
-    rt.add_argument("--tokenizer", action="append", default=[], metavar="[POOL=]PATH",
-                    help="model directory whose tokenizer the pool's engines use; needed for prefix-aware "
-                         "routing of text prompts")
+    rt.add_argument("--endpoints-file", action="append", default=[], metavar="[POOL=]PATH",
+                    help="discover the pool's replicas from a JSON list of URLs in this file, re-read when it "
+                         "changes (what `pagefleet up` uses)")
+    rt.add_argument("--tokenizer", action="append", default=[], metavar="[POOL=]MODEL",
+                    help="the model the pool's engines serve (a directory, .gguf or model name, as for "
+                         "`pagefleet engine --model`); its tokenizer makes prefix-aware routing of text prompts "
+                         "possible")
     rt.add_argument("--policy", default="prefix", choices=["prefix", "least-load", "round-robin", "session"],
                     help="prefix: cache affinity capped by load (default); least-load; round-robin; session: "
                          "sticky by the --session-header value, least-load otherwise")
@@ -259,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", default=None, help="output directory (default: in the cache)")
     msub.add_parser("list", help="the named models and whether they are in the cache")
     mdl.set_defaults(func=_models, models_command="list")
+
+    up = sub.add_parser("up", help="run an InferenceService on this machine (no cluster)",
+                        description="Start the InferenceService's engine replicas and router as local processes "
+                                    "and serve until Ctrl-C. The pool scales between minReplicas and maxReplicas "
+                                    "with the operator's autoscaling policy. Named models are pulled first.")
+    up.add_argument("file", nargs="?", default="examples/quickstart.yaml",
+                    help="InferenceService YAML (default: examples/quickstart.yaml)")
+    up.add_argument("--replicas", type=int, default=None, help="run exactly N engine replicas (no autoscaling)")
+    up.add_argument("--host", default="127.0.0.1", help="address of the router and engines (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
+    up.add_argument("--tick", type=float, default=2.0, help="seconds between autoscaling decisions (default 2)")
+    up.set_defaults(func=_up)
 
     crd = sub.add_parser("crd", help="print the InferenceService CustomResourceDefinition (YAML)",
                          description="Print the CRD generated from the spec model (the same as "

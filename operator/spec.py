@@ -54,8 +54,9 @@ class ModelCacheSpec(_Spec):
 
 class ModelSpec(_Spec):
     uri: str = Field(..., min_length=1, description="hf://ORG/NAME (downloaded), pagefleet://NAME (a model from "
-                                                    "`pagefleet models list`), or an absolute path inside the "
-                                                    "volume given by `pvc` (an HF directory or a .gguf file).")
+                                                    "`pagefleet models list`), or an absolute path (an HF "
+                                                    "directory or a .gguf file; in a cluster, inside the volume "
+                                                    "given by `pvc`, mounted at /models).")
     served_name: str | None = Field(None, min_length=1, max_length=256,
                                     description="The name clients send as `model` (default: the resource's name).")
     revision: str | None = Field(None, description="Branch, tag or commit of an hf:// model.")
@@ -76,8 +77,6 @@ class ModelSpec(_Spec):
 
     @model_validator(mode="after")
     def _source_is_consistent(self) -> ModelSpec:
-        if self.uri.startswith("/") and not self.pvc:
-            raise ValueError("model.uri is a path: set model.pvc to the claim that holds it")
         if self.revision and not self.uri.startswith("hf://"):
             raise ValueError("model.revision applies to hf:// models only")
         return self
@@ -213,6 +212,13 @@ class InferenceService(BaseModel):
 
     def served_name(self) -> str:
         return self.spec.model.served_name or self.metadata.name
+
+
+def cluster_problems(spec: InferenceServiceSpec) -> list[str]:
+    """What a spec that runs locally (`pagefleet up`) still lacks to run in a cluster."""
+    if spec.model.uri.startswith("/") and not spec.model.pvc:
+        return ["model.uri is a path: set model.pvc to the PersistentVolumeClaim that holds it"]
+    return []
 
 
 def unsupported_features(spec: InferenceServiceSpec) -> list[str]:

@@ -261,3 +261,34 @@ class EndpointSliceWatcher:
             self._on_change(set(urls))
         except Exception:
             log.exception("%s: on_change callback failed", self.ref)
+
+
+class EndpointsFileWatcher:
+    """Replicas listed in a JSON file (a list of URLs), re-read when it changes: local
+    discovery for `pagefleet up`, which rewrites the file (atomically) as it scales."""
+
+    def __init__(self, path: str, on_change: Callable[[set[str]], None], interval: float = 0.5) -> None:
+        self.path, self.on_change, self.interval = path, on_change, interval
+
+    def read(self) -> set[str] | None:
+        try:
+            with open(self.path) as f:
+                urls = json.load(f)
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError) as e:
+            log.warning("endpoints file %s unreadable (%s); keeping the last list", self.path, e)
+            return None
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            log.warning("endpoints file %s is not a JSON list of URLs; keeping the last list", self.path)
+            return None
+        return set(urls)
+
+    async def run(self) -> None:
+        last: set[str] | None = None
+        while True:
+            urls = self.read()
+            if urls is not None and urls != last:
+                self.on_change(urls)
+                last = urls
+            await asyncio.sleep(self.interval)

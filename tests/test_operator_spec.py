@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from pagefleet.operator.crd import crd_manifest, crd_yaml
-from pagefleet.operator.spec import InferenceService, InferenceServiceSpec, unsupported_features
+from pagefleet.operator.spec import InferenceService, InferenceServiceSpec, cluster_problems, unsupported_features
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,6 @@ def test_autoscaling_spec_feeds_the_policy() -> None:
 @pytest.mark.parametrize(("spec", "complaint"), [
     ({"model": {"uri": "s3://bucket/model"}}, "unknown model scheme"),
     ({"model": {"uri": "hf://just-a-name"}}, "hf://ORG/NAME"),
-    ({"model": {"uri": "/models/qwen"}}, "model.pvc"),
     ({"model": {"uri": "pagefleet://x", "revision": "main"}}, "hf:// models only"),
     ({"engine": {"blockSize": 12}}, "blockSize"),
     ({"engine": {"kvCacheMemory": "lots"}}, "kvCacheMemory"),
@@ -69,6 +68,12 @@ def test_invalid_specs_are_rejected_naming_the_field(spec: dict, complaint: str)
     merged = {**base["spec"], **spec}
     with pytest.raises(ValidationError, match=complaint):
         InferenceService.model_validate({**base, "spec": merged})
+
+
+def test_local_paths_need_a_pvc_only_in_a_cluster() -> None:
+    local = InferenceService.model_validate(doc(model={"uri": "/models/qwen"})).spec
+    assert cluster_problems(local) == ["model.uri is a path: set model.pvc to the PersistentVolumeClaim that holds it"]
+    assert cluster_problems(InferenceService.model_validate(doc(model={"uri": "/models/q", "pvc": "w"})).spec) == []
 
 
 def test_unsupported_features_are_listed_not_rejected() -> None:
