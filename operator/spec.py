@@ -101,22 +101,26 @@ class SpeculativeSpec(_Spec):
 class EngineSpec(_Spec):
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="Container image of the engine (and router).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype (auto: bf16 on CPUs with native bf16, else fp32; on GPU the "
+                            "checkpoint's).")
     block_size: Literal[8, 16, 32, 64] = Field(16, description="Tokens per KV-cache block.")
     kv_cache_memory: str = Field("2GiB", pattern=_BYTES, description="KV cache budget per replica.")
     max_num_seqs: int = Field(256, ge=1, description="Max concurrent sequences per replica.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget per engine step.")
     max_model_len: int | None = Field(None, ge=16, description="Max prompt + output tokens (default: the model's).")
-    prefix_caching: bool = True
-    quantization: Literal["none", "int8", "int4", "fp8"] = "none"
-    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
-    speculative: SpeculativeSpec | None = None
+    prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes across requests.")
+    quantization: Literal["none", "int8", "int4", "fp8"] = Field("none", description="Weight quantization (not "
+                                                                                     "implemented yet).")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field("auto", description="KV cache quantization (not "
+                                                                              "implemented yet).")
+    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (not implemented yet).")
     max_queue: int | None = Field(None, ge=1, description="Answer 429 beyond this many waiting requests.")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: the CPU limit).")
     resources: dict[str, Any] | None = Field(None, description="Kubernetes ResourceRequirements of the engine "
                                                                "container.")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
     extra_args: list[str] = Field(default_factory=list, description="Appended to `pagefleet engine`.")
     env: list[dict[str, Any]] = Field(default_factory=list, description="Kubernetes EnvVar list.")
     shutdown_timeout_seconds: int = Field(30, ge=1, le=3600, description="Drain time on SIGTERM; the pod's grace "
@@ -130,15 +134,17 @@ class AutoscalingSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must be <= maxReplicas"}]})
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (also the count at creation).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
     target_waiting_per_replica: float = Field(2.0, gt=0, description="Waiting requests per replica to aim for.")
     target_kv_cache_usage: float = Field(0.8, gt=0, le=1, alias="targetKVCacheUsage",
                                          description="Mean KV-cache usage (0-1] to aim for.")
     tolerance: float = Field(0.1, ge=0, lt=1, description="No change while metrics are within this fraction of "
                                                           "their targets.")
-    scale_up_window_seconds: float = Field(0, ge=0)
-    scale_down_window_seconds: float = Field(300, ge=0)
+    scale_up_window_seconds: float = Field(0, ge=0, description="Scale up only to the lowest recommendation of "
+                                                                "this window.")
+    scale_down_window_seconds: float = Field(300, ge=0, description="Scale down only to the highest "
+                                                                    "recommendation of this window.")
     scale_up_step: int = Field(4, ge=1, description="Max replicas added per decision.")
     scale_down_step: int = Field(1, ge=1, description="Max replicas removed per decision.")
 
@@ -162,27 +168,34 @@ class PoolSpec(_Spec):
     name: str = Field(..., pattern=_DNS_LABEL, max_length=20, description="Short DNS label; part of object names.")
     role: Literal["Unified", "Prefill", "Decode"] = Field("Unified", description="Prefill/Decode are reserved "
                                                                                   "for disaggregation.")
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica bounds and the "
+                                                                                      "policy's targets.")
 
 
 class RouterSpec(_Spec):
-    replicas: int = Field(1, ge=1)
-    policy: Literal["prefix", "least-load", "round-robin", "session"] = "prefix"
-    prefix_weight: float = Field(3.0, ge=0)
-    prefix_weight_per_load: float = Field(0.5, ge=0)
-    load_cap_ratio: float = Field(1.5, ge=1)
-    load_cap_slack: float = Field(2.0, ge=0)
-    session_header: str = Field("x-session-id", min_length=1)
-    resources: dict[str, Any] | None = None
+    replicas: int = Field(1, ge=1, description="Router pods.")
+    policy: Literal["prefix", "least-load", "round-robin", "session"] = Field(
+        "prefix", description="How a replica is picked (README, Router).")
+    prefix_weight: float = Field(3.0, ge=0, description="Requests of queue a full prefix match is worth on an "
+                                                        "idle pool.")
+    prefix_weight_per_load: float = Field(0.5, ge=0, description="Extra worth of a full match per request of "
+                                                                 "mean load.")
+    load_cap_ratio: float = Field(1.5, ge=1, description="No affinity above ratio * mean load + slack.")
+    load_cap_slack: float = Field(2.0, ge=0, description="See loadCapRatio.")
+    session_header: str = Field("x-session-id", min_length=1, description="Header naming the session (policy "
+                                                                            "session).")
+    resources: dict[str, Any] | None = Field(None, description="Kubernetes ResourceRequirements of the router.")
 
 
 class InferenceServiceSpec(_Spec):
-    model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
+    model: ModelSpec = Field(..., description="What to serve and where its weights come from.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Settings of every engine replica.")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(name="main")], min_length=1, max_length=8,
+                                  description="Groups of engine replicas, each autoscaled (default: one pool "
+                                              "`main`).",
                                   json_schema_extra={"x-kubernetes-list-type": "map",
                                                      "x-kubernetes-list-map-keys": ["name"]})
-    router: RouterSpec = Field(default_factory=RouterSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the pools.")
 
     @model_validator(mode="after")
     def _unique_pools(self) -> InferenceServiceSpec:

@@ -121,3 +121,10 @@ def test_examples_are_valid_specs() -> None:
         for d in yaml.safe_load_all(path.read_text()):
             if d and d.get("kind") == "InferenceService":
                 InferenceService.model_validate(d)
+
+
+def test_committed_reference_is_the_generated_one() -> None:
+    from pagefleet.operator.crd import reference_markdown
+
+    assert (ROOT / "docs/inferenceservice.md").read_text() == reference_markdown(), \
+        "stale: run `python -m pagefleet.operator.crd > docs/inferenceservice.md`"
