@@ -8,6 +8,7 @@ stays fast and the operator package never imports engine internals.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -73,15 +74,25 @@ def _router(args: argparse.Namespace) -> int:
                             load_cap_ratio=args.load_cap_ratio,
                             load_cap_slack=args.load_cap_slack)
     ejection = EjectionParams(failures_to_eject=args.eject_after, base_seconds=args.eject_seconds)
-    pools, watchers = [], []
+    pools, watchers, lazy_tokenizers = [], [], []
     for name, model, urls in specs:
         if bool(urls) + (name in services) + (name in files) != 1:
             raise ValueError(f"--pool {name}: give exactly one of replica URLs, --k8s-service {name}=NAMESPACE/SERVICE "
                              f"or --endpoints-file {name}=PATH")
         tok_path = tokenizers.get(name)
-        tokenizer = load_tokenizer(resolve_model(tok_path, pull_missing=False)) if tok_path else None
-        if tok_path and tokenizer is None:
-            raise ValueError(f"--tokenizer {name}={tok_path}: no tokenizer files there")
+        tokenizer = None
+        if tok_path:
+            try:
+                tokenizer = load_tokenizer(resolve_model(tok_path, pull_missing=False))
+            except ValueError as e:
+                if "pagefleet models pull" not in str(e):
+                    raise
+                # In a cluster the engines pull the model into the shared cache; until then route
+                # without prefix scores and pick the tokenizer up when it appears.
+                logging.warning("pool %s: %s; prefix scoring starts once it is there", name, e)
+                lazy_tokenizers.append((name, tok_path))
+            if tokenizer is None and (name, tok_path) not in lazy_tokenizers:
+                raise ValueError(f"--tokenizer {name}={tok_path}: no tokenizer files there")
         if tokenizer is None and args.policy == "prefix":
             logging.warning("pool %s has no --tokenizer: prefix scoring applies to token-id prompts only", name)
         pools.append(Pool(name, model, tokenizer=tokenizer, policy=Policy(args.policy), scoring=scoring,
@@ -103,6 +114,9 @@ def _router(args: argparse.Namespace) -> int:
             raise ValueError(f"--k8s-service: cannot reach the Kubernetes API (no in-cluster service account "
                              f"and no usable kubeconfig): {e}") from None
     for pool, (name, _, urls) in zip(pools, specs, strict=True):
+        for lazy_name, tok_path in lazy_tokenizers:
+            if lazy_name == name:
+                watchers.append(functools.partial(_load_tokenizer_when_cached, pool, tok_path))
         if urls:
             router.set_urls(pool, urls)
         if name in files:
@@ -117,6 +131,22 @@ def _router(args: argparse.Namespace) -> int:
     uvicorn.run(build_app(router, watchers), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
+
+
+async def _load_tokenizer_when_cached(pool, model: str, interval: float = 10.0) -> None:
+    import asyncio
+    import logging
+
+    from pagefleet.engine.model_store import resolve_model
+    from pagefleet.engine.tokenization import load_tokenizer
+
+    while pool.tokenizer is None:
+        await asyncio.sleep(interval)
+        try:
+            pool.tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(model, pull_missing=False)))
+        except ValueError:
+            continue
+        logging.info("pool %s: tokenizer of %s loaded; prefix-aware routing is on", pool.name, model)
 
 
 def _pairs(values: list[str], flag: str, pools: list[str]) -> dict[str, str]:
