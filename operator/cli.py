@@ -201,6 +201,12 @@ def _up(args: argparse.Namespace) -> int:
     return run(args.file, args.host, args.port, args.replicas, args.tick)
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from pagefleet.operator.handlers import run_operator
+
+    return run_operator(args.namespace, args.liveness_port)
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pagefleet.operator.crd import crd_yaml
 
@@ -323,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
     up.add_argument("--tick", type=float, default=2.0, help="seconds between autoscaling decisions (default 2)")
     up.set_defaults(func=_up)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)",
+                        description="Reconcile InferenceServices into engine Deployments, Services and a router, "
+                                    "and autoscale the pools from the engines' metrics. Uses the in-cluster service "
+                                    "account, or your kubeconfig outside a cluster.")
+    op.add_argument("--namespace", default=None, help="watch only this namespace (default: all namespaces)")
+    op.add_argument("--liveness-port", type=int, default=8081, help="port of the /healthz endpoint (default 8081)")
+    op.set_defaults(func=_operator)
 
     crd = sub.add_parser("crd", help="print the InferenceService CustomResourceDefinition (YAML)",
                          description="Print the CRD generated from the spec model (the same as "
