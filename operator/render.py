@@ -45,6 +45,7 @@ ROUTER_PORT = 8080
 CACHE_MOUNT = "/cache"
 MODELS_MOUNT = "/models"
 USER_ID = 1000  # the image's non-root user
+ROUTER_RESOURCES = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def labels(name: str, component: str, pool: str | None = None) -> dict[str, str]:
@@ -186,8 +187,9 @@ def render_objects(name: str, namespace: str, spec: InferenceServiceSpec, served
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": _CONTAINER_SECURITY, "volumeMounts": mounts,
     }
-    if spec.router.resources:
-        router["resources"] = dict(spec.router.resources)
+    # The router holds a tokenizer and per-replica indexes (~350 MB resident with a 150k-token
+    # vocabulary): sized by default so it is neither starved nor unbounded.
+    router["resources"] = dict(spec.router.resources) if spec.router.resources else ROUTER_RESOURCES
     objs += [
         {"apiVersion": "v1", "kind": "ServiceAccount",
          "metadata": {"name": names["router"], "namespace": namespace, "labels": labels(name, "router")}},
