@@ -16,8 +16,8 @@ RUN if ! command -v python3 >/dev/null; then \
     python3 -m venv /opt/pagefleet && \
     /opt/pagefleet/bin/pip install --no-cache-dir --upgrade pip && \
     /opt/pagefleet/bin/pip install --no-cache-dir --index-url ${TORCH_INDEX} torch==${TORCH_VERSION} && \
-    groupadd --gid 1000 pagefleet && \
-    useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin pagefleet
+    groupadd --gid 10001 pagefleet && \
+    useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin pagefleet
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -34,7 +34,7 @@ ENV PATH=/opt/pagefleet/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     OMP_WAIT_POLICY=PASSIVE
 WORKDIR /
-USER 1000:1000
+USER 10001:10001
 EXPOSE 8000 8080
 HEALTHCHECK NONE
 ENTRYPOINT ["pagefleet"]

@@ -44,7 +44,7 @@ ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 CACHE_MOUNT = "/cache"
 MODELS_MOUNT = "/models"
-USER_ID = 1000  # the image's non-root user
+USER_ID = 10001  # the image's non-root user (a high UID: no clash with host users)
 ROUTER_RESOURCES = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 
 
