@@ -128,3 +128,20 @@ def test_committed_reference_is_the_generated_one() -> None:
 
     assert (ROOT / "docs/inferenceservice.md").read_text() == reference_markdown(), \
         "stale: run `python -m pagefleet.operator.crd > docs/inferenceservice.md`"
+
+
+def test_examples_validate_against_the_generated_crd_schema() -> None:
+    """What the API server checks on `kubectl apply`: the examples against the CRD's own
+    openAPIV3Schema (OpenAPI keywords jsonschema does not know are ignored)."""
+    import jsonschema
+
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    docs = [d for path in sorted((ROOT / "examples").glob("*.yaml")) + [ROOT / "e2e/tiny-isvc.yaml"]
+            for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "InferenceService"]
+    assert len(docs) >= 2
+    validator = jsonschema.Draft4Validator(schema)  # OpenAPI 3.0 schemas use draft 4's boolean exclusive bounds
+    for d in docs:
+        validator.validate(d)
+    bad = {**docs[0], "spec": {**docs[0]["spec"], "engine": {"blockSize": 12}}}
+    with pytest.raises(jsonschema.ValidationError, match="12"):
+        validator.validate(bad)
