@@ -10,6 +10,17 @@ NS=e2e
 step() { printf '\n=== %s (%ss)\n' "$*" "$SECONDS"; }
 cleanup() { if [ -z "${KEEP:-}" ]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi; }
 trap cleanup EXIT
+# wait_replicas OP N MESSAGE: poll the engine Deployment's replicas (5 min) until `[ replicas OP N ]`
+wait_replicas() {
+  local replicas
+  for _ in $(seq 60); do
+    replicas=$(kubectl -n "$NS" get deployment tiny-main -o jsonpath='{.spec.replicas}')
+    [ "$replicas" "$1" "$2" ] && { echo "engine replicas: $replicas"; return 0; }
+    sleep 5
+  done
+  echo "$3 (replicas: $replicas)" >&2
+  exit 1
+}
 
 for tool in docker kind kubectl; do
   command -v "$tool" >/dev/null || { echo "e2e needs $tool on PATH" >&2; exit 2; }
@@ -58,24 +69,12 @@ def one(i):
 with concurrent.futures.ThreadPoolExecutor(16) as ex:
     codes = list(ex.map(one, range(48)))
 print(codes); assert codes == [200] * 48'
-for _ in $(seq 60); do
-  replicas=$(kubectl -n "$NS" get deployment tiny-main -o jsonpath='{.spec.replicas}')
-  [ "$replicas" -gt 1 ] && break
-  sleep 5
-done
-echo "engine replicas under load: $replicas"
-[ "$replicas" -gt 1 ] || { echo "the pool did not scale up" >&2; exit 1; }
+wait_replicas -gt 1 "the pool did not scale up"
 kubectl -n "$NS" get pfis tiny -o jsonpath='{.status.pools.main.lastScaling}'; echo
 kubectl -n "$NS" wait --for=jsonpath='{.status.phase}'=Succeeded pod/load --timeout=900s
 
 step "after the window: the pool scales back"
-for _ in $(seq 60); do
-  replicas=$(kubectl -n "$NS" get deployment tiny-main -o jsonpath='{.spec.replicas}')
-  [ "$replicas" -eq 1 ] && break
-  sleep 5
-done
-echo "engine replicas after the burst: $replicas"
-[ "$replicas" -eq 1 ] || { echo "the pool did not scale back down" >&2; exit 1; }
+wait_replicas -eq 1 "the pool did not scale back down"
 
 step "delete: children go with it"
 kubectl -n "$NS" delete inferenceservice tiny --wait --timeout=120s
