@@ -269,3 +269,18 @@ def decide(params: ScalingParams, current: int, pods: Sequence[PodMetrics] | Non
         why = " and ".join(s.describe(tol) for s in signals)
     reason = f"{head}: {why}" + (f" ({'; '.join(notes)})" if notes else "")
     return Decision(target, reason, metrics, hist)
+
+
+_POD_SERIES = {"pagefleet:num_requests_waiting": "waiting", "pagefleet:num_requests_running": "running",
+               "pagefleet:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_pod_metrics(text: str) -> PodMetrics | None:
+    """The policy's input from one engine's Prometheus /metrics (the metrics contract in
+    DESIGN.md); None when the engine does not export them (still loading)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("{")
+        if brace and name in _POD_SERIES:
+            values[_POD_SERIES[name]] = float(rest.rpartition("} ")[2].split()[0])
+    return PodMetrics(**values) if len(values) == len(_POD_SERIES) else None

@@ -53,9 +53,8 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from pagefleet.operator.autoscale import PodMetrics, decide
-from pagefleet.operator.local import parse_metrics
-from pagefleet.operator.render import ENGINE_PORT, _selector, object_names, render_objects
+from pagefleet.operator.autoscale import PodMetrics, decide, parse_pod_metrics
+from pagefleet.operator.render import ENGINE_PORT, object_names, pod_selector, render_objects
 from pagefleet.operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec, cluster_problems, unsupported_features
 
 AUTOSCALE_INTERVAL = float(os.environ.get("PAGEFLEET_AUTOSCALE_INTERVAL", "15"))
@@ -360,7 +359,7 @@ async def scrape_pod_metrics(ip: str) -> PodMetrics | None:
     try:
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as http:
             response = await http.get(f"http://{host}:{ENGINE_PORT}/metrics")
-        return parse_metrics(response.text) if response.status_code == 200 else None
+        return parse_pod_metrics(response.text) if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):  # unreachable, or not our metrics: this pod does not report
         return None
 
@@ -483,7 +482,7 @@ async def autoscale(body: kopf.Body, name: str, namespace: str, status: kopf.Sta
             if dep is None or current is None:
                 replicas[pool.name] = None  # not created yet, or deleted by hand: the next reconcile makes it
                 continue
-            ips = ready_pod_ips(await kube.list(pods_path, _selector(name, "engine", pool.name)))
+            ips = ready_pod_ips(await kube.list(pods_path, pod_selector(name, "engine", pool.name)))
             samples = await asyncio.gather(*(scrape_pod_metrics(ip) for ip in ips))
             measured = [m for m in samples if m is not None]
             decision = decide(pool.autoscaling.params(), current.desired, measured or None,

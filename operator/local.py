@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from pagefleet.operator.autoscale import Decision, PodMetrics, Recommendation, decide
+from pagefleet.operator.autoscale import Decision, Recommendation, decide, parse_pod_metrics
 from pagefleet.operator.render import engine_args, router_args
 from pagefleet.operator.spec import InferenceService, unsupported_features
 
@@ -59,18 +59,6 @@ class Child:
     ready: bool = False
     draining: bool = False
     started: float = field(default_factory=time.monotonic)
-
-
-def parse_metrics(text: str) -> PodMetrics | None:
-    values = {}
-    for line in text.splitlines():
-        for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
-            if line.startswith(f"pagefleet:{name}{{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    if len(values) < 3:
-        return None
-    return PodMetrics(waiting=values["num_requests_waiting"], running=values["num_requests_running"],
-                      kv_usage=values["kv_cache_usage_perc"])
 
 
 class LocalFleet:
@@ -220,7 +208,7 @@ Ctrl-C stops everything.
             if not c.ready:
                 continue
             try:
-                m = parse_metrics(httpx.get(f"{c.url}/metrics", timeout=2).text)
+                m = parse_pod_metrics(httpx.get(f"{c.url}/metrics", timeout=2).text)
             except httpx.HTTPError:
                 m = None
             if m is not None:

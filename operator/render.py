@@ -56,7 +56,7 @@ def labels(name: str, component: str, pool: str | None = None) -> dict[str, str]
     return out
 
 
-def _selector(name: str, component: str, pool: str | None = None) -> dict[str, str]:
+def pod_selector(name: str, component: str, pool: str | None = None) -> dict[str, str]:
     return {k: v for k, v in labels(name, component, pool).items() if k != "app.kubernetes.io/managed-by"}
 
 
@@ -116,7 +116,7 @@ def _deployment(name: str, namespace: str, instance: str, component: str, pool: 
         "metadata": {"name": name, "namespace": namespace, "labels": labels(instance, component, pool)},
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": _selector(instance, component, pool)},
+            "selector": {"matchLabels": pod_selector(instance, component, pool)},
             # a new replica must be ready before an old one goes: capacity never dips during a rollout
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": labels(instance, component, pool)}, "spec": pod},
@@ -171,7 +171,7 @@ def render_objects(name: str, namespace: str, spec: InferenceServiceSpec, served
         objs.append({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": pool_name, "namespace": namespace, "labels": labels(name, "engine", pool.name)},
-            "spec": {"clusterIP": "None", "selector": _selector(name, "engine", pool.name),
+            "spec": {"clusterIP": "None", "selector": pod_selector(name, "engine", pool.name),
                      "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]},
         })
     # the router: one pool per InferenceService (validated by the handler), discovered from its headless Service
@@ -205,7 +205,7 @@ def render_objects(name: str, namespace: str, spec: InferenceServiceSpec, served
                     _pod_spec(spec, [router], volumes, 40, service_account=names["router"])),
         {"apiVersion": "v1", "kind": "Service",
          "metadata": {"name": names["service"], "namespace": namespace, "labels": labels(name, "router")},
-         "spec": {"type": "ClusterIP", "selector": _selector(name, "router"),
+         "spec": {"type": "ClusterIP", "selector": pod_selector(name, "router"),
                   "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}},
     ]
     return objs

@@ -270,3 +270,18 @@ def test_invalid_params(kwargs: dict, field: str) -> None:
 def test_valid_edge_params() -> None:
     ScalingParams(min_replicas=0, max_replicas=1, target_kv_cache_usage=1.0, tolerance=0.0,
                   scale_up_window_s=0, scale_down_window_s=0, scale_up_step=1, scale_down_step=1)
+
+
+def test_parse_pod_metrics_reads_the_engine_exposition() -> None:
+    from pagefleet.operator.autoscale import parse_pod_metrics
+
+    text = (
+        "# HELP pagefleet:num_requests_running Sequences in the running batch.\n"
+        "# TYPE pagefleet:num_requests_running gauge\n"
+        'pagefleet:num_requests_running{model_name="m"} 3.0\n'
+        'pagefleet:num_requests_waiting{model_name="m"} 5.0\n'
+        'pagefleet:kv_cache_usage_perc{model_name="m"} 0.25\n'
+        'pagefleet:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 4.0\n'
+    )
+    assert parse_pod_metrics(text) == PodMetrics(waiting=5.0, running=3.0, kv_usage=0.25)
+    assert parse_pod_metrics("# an engine still loading exports no gauges\n") is None
