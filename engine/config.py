@@ -88,6 +88,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None  # prefix-cache namespace; default: the model path
     seed: int = 0
+    quantization: str = "none"  # weight-only: none | int8 (engine/quant.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -17,6 +17,7 @@ from pagefleet.engine.kv import KVCacheManager
 from pagefleet.engine.model_runner import ModelRunner
 from pagefleet.engine.models import model_class_for
 from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.quant import check_quantization, quantize_model, weight_bytes
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampler import Logprobs
 from pagefleet.engine.scheduler import Scheduler
@@ -62,8 +63,12 @@ class EngineCore:
 
         with torch.device(self.device):
             model = model_class_for(hf_config)(cfg, self.dtype, self.device)
+        check_quantization(config.quantization, self.device)
         model.load_weights(model_dir)
         self.model = model.to(self.dtype).eval()
+        if quantize_model(self.model, config.quantization):
+            logger.info("quantized the decoder's linear layers to %s: weights now %.0f MiB",
+                        config.quantization, weight_bytes(self.model) / 2**20)
 
         bytes_per_block = cfg.kv_bytes_per_token(self.dtype) * config.block_size
         self.num_blocks = config.kv_cache_bytes // bytes_per_block

@@ -26,11 +26,12 @@ class LLM:
                  kv_cache_memory: int | str = "2GiB", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  seed: int = 0, device: str = "auto", num_threads: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, quantization: str = "none") -> None:
         self._setup(EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_threads=num_threads, seed=seed, enable_prefix_caching=enable_prefix_caching))
+            num_threads=num_threads, seed=seed, enable_prefix_caching=enable_prefix_caching,
+            quantization=quantization))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

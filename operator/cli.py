@@ -22,7 +22,8 @@ def _engine_config(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-                        served_model_name=getattr(args, "served_model_name", None))
+                        served_model_name=getattr(args, "served_model_name", None),
+                        quantization=args.quantization)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -229,6 +230,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="max prompt + output tokens (default: the model's context length, capped by the KV budget)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable reuse of KV blocks across requests")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"],
+                   help="weight-only quantization of the decoder layers: int8 (per output channel, CPU); "
+                        "int4 and fp8 are not implemented yet (default none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
 
 

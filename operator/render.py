@@ -19,6 +19,8 @@ def engine_args(spec: InferenceServiceSpec, served_name: str, host: str, port: i
         args += ["--max-model-len", str(e.max_model_len)]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
+    if e.quantization != "none":
+        args += ["--quantization", e.quantization]
     if e.max_queue is not None:
         args += ["--max-queue", str(e.max_queue)]
     if e.threads is not None:

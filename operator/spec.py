@@ -110,8 +110,9 @@ class EngineSpec(_Spec):
     max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget per engine step.")
     max_model_len: int | None = Field(None, ge=16, description="Max prompt + output tokens (default: the model's).")
     prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes across requests.")
-    quantization: Literal["none", "int8", "int4", "fp8"] = Field("none", description="Weight quantization (not "
-                                                                                     "implemented yet).")
+    quantization: Literal["none", "int8", "int4", "fp8"] = Field(
+        "none", description="Weight-only quantization of the decoder layers: int8 (CPU); int4 and fp8 are not "
+                            "implemented yet.")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field("auto", description="KV cache quantization (not "
                                                                               "implemented yet).")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (not implemented yet).")
@@ -237,7 +238,7 @@ def cluster_problems(spec: InferenceServiceSpec) -> list[str]:
 def unsupported_features(spec: InferenceServiceSpec) -> list[str]:
     """Valid settings this version of the engine cannot run yet (reported, not started)."""
     out = []
-    if spec.engine.quantization != "none":
+    if spec.engine.quantization not in ("none", "int8"):
         out.append(f"engine.quantization: {spec.engine.quantization}")
     if spec.engine.kv_cache_dtype != "auto":
         out.append(f"engine.kvCacheDtype: {spec.engine.kv_cache_dtype}")

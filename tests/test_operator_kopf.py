@@ -79,7 +79,7 @@ def isvc(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("spec", "reason", "message"), [
-    ({"model": {"uri": "hf://a/b"}, "engine": {"quantization": "int8"}}, "Unsupported", "engine.quantization: int8"),
+    ({"model": {"uri": "hf://a/b"}, "engine": {"quantization": "int4"}}, "Unsupported", "engine.quantization: int4"),
     ({"model": {"uri": "hf://a/b"}, "pools": [{"name": "a"}, {"name": "b"}]}, "Unsupported",
      "the router serves one pool per InferenceService for now"),
     ({"model": {"uri": "hf://a/b"}, "engine": {"blockSize": 7}}, "InvalidSpec", "spec.engine.blockSize: "),
@@ -515,8 +515,8 @@ async def _autoscales(cluster: Cluster, scraped: list[str]) -> None:
 
 
 BAD_SPECS = {
-    "int8": ({"model": {"uri": "pagefleet://tiny"}, "engine": {"quantization": "int8"}}, "Unsupported",
-             "engine.quantization: int8"),
+    "int4": ({"model": {"uri": "pagefleet://tiny"}, "engine": {"quantization": "int4"}}, "Unsupported",
+             "engine.quantization: int4"),
     "block": ({"model": {"uri": "pagefleet://tiny"}, "engine": {"blockSize": 7}}, "InvalidSpec",
               "spec.engine.blockSize"),
     "path": ({"model": {"uri": "/models/tiny"}}, "InvalidSpec", "model.pvc"),
@@ -566,11 +566,11 @@ async def _bad_specs(cluster: Cluster) -> None:
     assert sorted(e["involvedObject"]["name"] for e in cluster.all("Event")) == sorted(cases)
     assert not [o for name in BAD_SPECS for o in cluster.owned_by(uids[name])]
 
-    await cluster.patch("InferenceService", "int8", {"spec": {"engine": {"quantization": "none"}}})
-    await until(lambda: cluster.get("Deployment", "int8-main"), "the fixed spec's engine Deployment")
-    await until(lambda: cluster.condition("int8", "Degraded").get("status") == "False", "Degraded=False")
-    assert cluster.condition("int8", "Ready")["reason"] == "EnginesNotReady"
-    assert cluster.status("int8")["observedGeneration"] == 2
+    await cluster.patch("InferenceService", "int4", {"spec": {"engine": {"quantization": "none"}}})
+    await until(lambda: cluster.get("Deployment", "int4-main"), "the fixed spec's engine Deployment")
+    await until(lambda: cluster.condition("int4", "Degraded").get("status") == "False", "Degraded=False")
+    assert cluster.condition("int4", "Ready")["reason"] == "EnginesNotReady"
+    assert cluster.status("int4")["observedGeneration"] == 2
 
 
 def test_delete_releases_the_finalizer(tmp_path, monkeypatch):

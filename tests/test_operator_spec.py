@@ -77,10 +77,10 @@ def test_local_paths_need_a_pvc_only_in_a_cluster() -> None:
 
 
 def test_unsupported_features_are_listed_not_rejected() -> None:
-    s = InferenceService.model_validate(doc(engine={"quantization": "int8", "speculative": {
+    s = InferenceService.model_validate(doc(engine={"quantization": "int4", "speculative": {
         "method": "draft", "draftModel": "pagefleet://qwen2.5-coder-0.5b-instruct"}},
         pools=[{"name": "p", "role": "Prefill"}, {"name": "d", "role": "Decode"}])).spec
-    assert unsupported_features(s) == ["engine.quantization: int8", "engine.speculative: draft",
+    assert unsupported_features(s) == ["engine.quantization: int4", "engine.speculative: draft",
                                        "pools[p].role: Prefill", "pools[d].role: Decode"]
     assert unsupported_features(InferenceService.model_validate(doc()).spec) == []
 
