@@ -2,12 +2,11 @@
 
 int8, per output channel: w ~= q * scale, q in [-127, 127], one scale per row.
 The matmul is torch's fused CPU kernel (`aten._weight_int8pack_mm`), never a
-dequantize-then-matmul in Python. Measured on the 2-core dev machine for a
-2048x2048 layer: with bfloat16 activations it takes 0.26 ms at batch 1 against
-1.2 ms for the float32 matmul and 0.48 ms for bfloat16, but with float32
-activations the same kernel is ~3x *slower* than float32; so activations are
-fed to it in bfloat16 (and the result cast back), which costs a bfloat16
-rounding of the layer's input on top of the weight error.
+dequantize-then-matmul in Python. On the 2-core dev machine (bench/int8_matmul.py,
+docs/benchmarks.md) that kernel is ~4x faster than a float32 matmul at batch 1
+when given bfloat16 activations, and ~3x *slower* when given float32 ones; so
+activations are fed to it in bfloat16 (and the result cast back), which costs a
+bfloat16 rounding of the layer's input on top of the weight error.
 
 Embeddings and the LM head stay in the compute dtype. int4 and fp8 are not
 implemented yet and are refused with a clear error.
