@@ -44,7 +44,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offline_throughput as ot  # noqa: E402  (checkpoint, machine and model info)
-from serving import free_port, percentiles  # noqa: E402
+from serving import free_port, percentiles, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -52,20 +52,6 @@ PAGEFLEET = str(ROOT / ".venv/bin/pagefleet")
 
 
 # ---- processes --------------------------------------------------------------------------------------
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what} did not become healthy in {timeout} s")
 
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:

@@ -134,18 +134,24 @@ def start_server(model: Path, port: int, args) -> subprocess.Popen:
            "--port", str(port), "--dtype", args.dtype, "--kv-cache-memory", args.kv_budget,
            "--max-num-batched-tokens", str(args.max_batch_tokens), "--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
+    wait_healthy(proc, f"http://127.0.0.1:{port}", "server")
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 300) -> None:
+    """Poll `url`/health until 200; kill the process and raise if it exits or times out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{what} exited: {proc.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("server did not become healthy in 300 s")
+    raise RuntimeError(f"{what} did not become healthy in {timeout} s")
 
 
 def fmt(d: dict, key: str) -> str:

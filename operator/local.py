@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from pagefleet.operator.autoscale import Decision, Recommendation, decide, parse_pod_metrics
+from pagefleet.operator.autoscale import Recommendation, decide, parse_pod_metrics
 from pagefleet.operator.render import engine_args, router_args
 from pagefleet.operator.spec import InferenceService, unsupported_features
 
@@ -86,7 +86,6 @@ class LocalFleet:
         self.engines: list[Child] = []
         self.router: Child | None = None
         self.history: tuple[Recommendation, ...] = ()
-        self.last_decision: Decision | None = None
         self.stopping = threading.Event()
         self._n = 0
 
@@ -214,7 +213,7 @@ Ctrl-C stops everything.
             if m is not None:
                 pods.append(m)
         d = decide(self.params, len(live), pods or None, self.history, now)
-        self.history, self.last_decision = d.history, d
+        self.history = d.history
         if d.replicas > len(live):
             logger.info("autoscale: %s", d.reason)
             for _ in range(d.replicas - len(live)):
